@@ -1,0 +1,45 @@
+"""vllm-diffusion-plugin: a vLLM general plugin that loads diffusion transformers fast and correctly.
+
+vLLM calls ``register()`` (entry point group ``vllm.general_plugins``) in every process. It does nothing
+unless ``VLLM_DIFFUSION_PLUGIN`` enables the plugin; importing this package is cheap (no torch, no vLLM,
+no diffusers) so a disabled plugin costs nothing.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+LOAD_FORMAT = "diffusion-hsdp"
+"""The load format name (lowercase: vLLM lowercases ``LoadConfig.load_format``)."""
+
+_registered = False
+
+
+def register() -> None:
+    """The vLLM general-plugin entry point: env-gated, idempotent, cheap.
+
+    Disabled (``VLLM_DIFFUSION_PLUGIN`` unset/0/false/no/off): returns at once. Enabled: registers the
+    ``diffusion-hsdp`` load format with vLLM's loader registry, registers our env var names with vLLM's env
+    registry and logs one INFO line. An invalid value raises ``ValueError`` (vLLM then refuses to start).
+    """
+    global _registered
+    from vllm_diffusion_plugin import envs
+
+    if not envs.get("VLLM_DIFFUSION_PLUGIN") or _registered:
+        return
+
+    from vllm_diffusion_plugin import compat
+    from vllm_diffusion_plugin._logging import init_logger
+
+    envs.validate_all()  # fail fast on any other malformed VLLM_DIFFUSION_* value
+    compat.register_env_vars(list(envs.ENV_VARS))
+    from vllm_diffusion_plugin.vllm_loader import DiffusionHSDPLoader
+
+    compat.register_model_loader(LOAD_FORMAT)(DiffusionHSDPLoader)
+
+    _registered = True
+    init_logger(__name__).info(
+        "vllm-diffusion-plugin %s enabled: load format `%s` registered (vLLM %s).",
+        __version__, LOAD_FORMAT, compat.vllm_version(),
+    )
+

@@ -1,0 +1,127 @@
+"""Which accelerator this process uses, whether it really works, and per-device primitives.
+
+``local_device()`` is a *lookup*: it names ``cuda:N`` / ``npu:N`` / ``xpu:N`` / ``<privateuse1>:N`` from
+``LOCAL_RANK`` when such a backend is available. A lookup proves nothing, so anything that wants to move
+data to the device asks ``usable_device(dev)``, which makes a tiny probe allocation and returns the device
+only when that succeeds (cached per process; ``usable_device.cache_clear()`` forgets).
+
+``torch_npu`` is imported lazily and only when ``torch.npu`` is not already present: installing it on a
+host without Huawei's CANN breaks ``import torch``, so nothing here imports it at module import time.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+from vllm_diffusion_plugin._logging import init_logger
+
+logger = init_logger(__name__)
+
+_DIST_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo"}
+
+
+def _npu_available() -> bool:
+    if not hasattr(torch, "npu"):
+        try:
+            importlib.import_module("torch_npu")
+        except Exception:  # ImportError, or a broken CANN install raising anything
+            return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def _privateuse1_name() -> str | None:
+    name = torch._C._get_privateuse1_backend_name()
+    if name == "privateuseone":
+        return None  # nothing registered
+    module = getattr(torch, name, None)
+    if module is None or not getattr(module, "is_available", lambda: False)():
+        return None
+    return name
+
+
+def accelerator_type() -> str | None:
+    """The device type of the available accelerator backend (cuda, npu, xpu, a PrivateUse1 name), or None."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return _privateuse1_name()
+
+
+def local_rank() -> int:
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={raw!r} is not an integer") from None
+
+
+def local_device() -> torch.device:
+    """This process's accelerator (``<type>:LOCAL_RANK``), or ``cpu`` when no backend is available.
+
+    A lookup only: the device may still be unusable (see ``usable_device``).
+    """
+    device_type = accelerator_type()
+    if device_type is None:
+        return torch.device("cpu")
+    return torch.device(device_type, local_rank())
+
+
+@functools.cache
+def usable_device(device: torch.device | str) -> torch.device | None:
+    """``device`` if a tiny allocation on it succeeds, else None. CPU is always usable.
+
+    Cached per process and per device; call ``usable_device.cache_clear()`` to probe again.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    try:
+        torch.empty(1, device=device)
+    except Exception as exc:  # driver errors, missing backend, invalid ordinal, OOM
+        logger.info("Device %s is not usable (probe allocation failed: %s); using the CPU path.",
+                    device, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    return device
+
+
+def dist_backend(device: torch.device | str) -> str:
+    """The torch.distributed backend for ``device``: nccl, hccl, xccl or gloo.
+
+    A PrivateUse1 backend's collective library is unknown here; it gets its registered backend name if it
+    registered one under its own device type, else gloo.
+    """
+    # A string is parsed by hand: "npu:0" is no valid torch.device until torch_npu is imported.
+    device_type = device.split(":")[0] if isinstance(device, str) else device.type
+    if device_type in _DIST_BACKENDS:
+        return _DIST_BACKENDS[device_type]
+    registered = torch.distributed.Backend.default_device_backend_map.get(device_type)
+    return registered or "gloo"
+
+
+def _device_module(device: torch.device):
+    return getattr(torch, device.type, None)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for all work queued on ``device``; a no-op for CPU and for backends without the call."""
+    device = torch.device(device)
+    module = _device_module(device)
+    if device.type == "cpu" or module is None or not hasattr(module, "synchronize"):
+        return
+    module.synchronize(device)
+
+
+def empty_cache(device: torch.device | str) -> None:
+    """Release cached allocator blocks on ``device``; a no-op for CPU and for backends without the call."""
+    device = torch.device(device)
+    module = _device_module(device)
+    if device.type == "cpu" or module is None or not hasattr(module, "empty_cache"):
+        return
+    module.empty_cache()
