@@ -1,0 +1,89 @@
+"""Tiny diffusers checkpoints written by diffusers itself, and LoRA files for them (no hub access).
+
+Used by ``vllm-diffusion demo`` and by the tests. Every parameter is drawn from a seeded normal
+distribution (none left at the default init's 0/1), so a weight a loader forgets is visible in a comparison.
+Needs diffusers (the ``cli`` or ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY_CONFIGS: dict[str, dict] = {
+    "wan": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+                text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
+    "flux": dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
+}
+PIPELINES = {
+    "wan": ("WanPipeline", "WanTransformer3DModel", ("transformer", "transformer_2")),
+    "flux": ("FluxPipeline", "FluxTransformer2DModel", ("transformer",)),
+}
+
+
+def build_tiny_model(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny diffusers DiT of ``kind`` ("wan" or "flux") with seeded random parameters, in eval mode."""
+    import diffusers
+
+    cls = getattr(diffusers, PIPELINES[kind][1])
+    torch.manual_seed(seed)
+    model = cls(**TINY_CONFIGS[kind])
+    gen = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+                        safe_serialization: bool = True, min_shards: int = 3) -> Path:
+    """Write a pipeline folder (``model_index.json`` + transformer folders saved by diffusers'
+    ``save_pretrained(max_shard_size=...)``, so each has an index and >= ``min_shards`` shards)."""
+    import diffusers
+
+    pipeline_class, model_class, components = PIPELINES[kind]
+    index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__,
+             "scheduler": [None, None], "text_encoder": [None, None], "tokenizer": [None, None],
+             "vae": [None, None]}
+    if kind == "wan":
+        index["boundary_ratio"] = 0.875
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for offset, name in enumerate(components):
+        model = build_tiny_model(kind, seed=seed + offset, dtype=dtype)
+        sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+        model.save_pretrained(root / name, max_shard_size=max(sum(sizes) // (min_shards + 1), max(sizes)),
+                              safe_serialization=safe_serialization)
+        n_shards = len(list((root / name).glob("*.safetensors" if safe_serialization else "*.bin")))
+        if n_shards < min_shards:
+            raise AssertionError(f"tiny {kind} checkpoint has only {n_shards} shards, wanted {min_shards}")
+        index[name] = ["diffusers", model_class]
+    (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return root
+
+
+def write_tiny_lora(path: Path, model: torch.nn.Module, *, rank: int = 4, alpha: float | None = 8.0,
+                    seed: int = 0, targets: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0"),
+                    prefix: str = "transformer.") -> Path:
+    """A diffusers-format LoRA (``<prefix><module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``) for every
+    ``nn.Linear`` of ``model`` whose name ends with one of ``targets``; written with safetensors."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(targets):
+            tensors[f"{prefix}{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=gen) * 0.1
+            tensors[f"{prefix}{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=gen) * 0.1
+            if alpha is not None:
+                tensors[f"{prefix}{name}.alpha"] = torch.tensor(float(alpha))
+    if not tensors:
+        raise ValueError(f"no nn.Linear of {type(model).__name__} ends with {targets}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
