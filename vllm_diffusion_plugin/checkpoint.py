@@ -29,7 +29,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
-from vllm.logger import init_logger
+from vllm_diffusion_plugin._logging import init_logger
 
 logger = init_logger(__name__)
 

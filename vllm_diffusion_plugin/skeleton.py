@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from vllm.logger import init_logger
+from vllm_diffusion_plugin._logging import init_logger
 
 from vllm_diffusion_plugin.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
 

@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 import torch
 from torch import nn
-from vllm.logger import init_logger
+from vllm_diffusion_plugin._logging import init_logger
 
 from vllm_diffusion_plugin.checkpoint import CheckpointError, ComponentSource, TensorInfo
 

@@ -1,0 +1,43 @@
+"""Distilled-LoRA support: file formats -> normalized deltas (``formats``), fusion with the device rule (``fuse``).
+
+One call for the load pipeline::
+
+    stats = fuse_lora_files(transformer, [("distill.safetensors", 1.0)])
+
+or, step by step: ``load_lora`` -> ``normalize_lora`` (validates everything, touches nothing) ->
+``fuse_lora`` / ``unfuse_lora``.
+"""
+
+from vllm_diffusion_plugin.lora.formats import (
+    LoraDelta,
+    LoraFile,
+    LoraFormatError,
+    LoraRankError,
+    LoraShapeError,
+    NonFiniteLoraError,
+    PartialPackedLoraError,
+    UnmatchedLoraKeysError,
+    UnsupportedLoraError,
+    load_lora,
+    load_lora_state_dict,
+    normalize_lora,
+)
+from vllm_diffusion_plugin.lora.fuse import (
+    FuseStats,
+    LoraFusionError,
+    NonFiniteFusionError,
+    PartiallyFusedError,
+    cpu_kernel,
+    fuse_lora,
+    fuse_lora_files,
+    fuse_weight_,
+    resolve_compute_device,
+    unfuse_lora,
+)
+
+__all__ = [
+    "FuseStats", "LoraDelta", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",
+    "NonFiniteFusionError", "NonFiniteLoraError", "PartialPackedLoraError", "PartiallyFusedError",
+    "UnmatchedLoraKeysError", "UnsupportedLoraError", "cpu_kernel", "fuse_lora", "fuse_lora_files", "fuse_weight_",
+    "load_lora", "load_lora_state_dict", "normalize_lora", "resolve_compute_device", "unfuse_lora",
+]
