@@ -130,7 +130,8 @@ def test_register_twice_registers_once_and_logs_once(fresh_registry, monkeypatch
     handler = logging.Handler()
     handler.emit = records.append
     logger = logging.getLogger("vllm.vllm_diffusion_plugin")
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not .level =: it also clears the isEnabledFor cache
     logger.addHandler(handler)
     calls = []
     real = model_loader.register_model_loader
@@ -140,6 +141,7 @@ def test_register_twice_registers_once_and_logs_once(fresh_registry, monkeypatch
         vllm_diffusion_plugin.register()
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(old_level)
     assert calls == [LOAD_FORMAT]
     assert len(records) == 1 and "load format `diffusion-hsdp` registered" in records[0].getMessage()
 
