@@ -36,6 +36,14 @@ class LoadOptions:
     hsdp_block_pattern: str | None = None
     """Regex over module names choosing the blocks to shard (vLLM door: HSDP only when this is set or the
     model declares ``_hsdp_shard_conditions``)."""
+    hsdp_weight_load: str = "full"
+    """How the ranks get their weights: ``full`` (each reads everything, then shards), ``broadcast`` (rank 0
+    reads once and sends bounded buckets; the others read nothing) or ``rank_local`` (the DiTs are sharded on
+    ``meta`` first and each rank reads only its own rows). See ``distributed_load``."""
+    hsdp_broadcast_bucket_mb: int = 256
+    """Upper bound (MiB) on one broadcast bucket (``broadcast``); tensors are sent in single-dtype buckets."""
+    hsdp_broadcast_timeout_s: float = 300.0
+    """Seconds any rank waits for one broadcast collective before failing (a peer died or stalled)."""
     allow_pickle: bool = False
     """Accept .bin/.pt checkpoints (``torch.load(weights_only=True)``) when no safetensors exist."""
     strict_unexpected: bool = False
@@ -73,7 +81,16 @@ class LoadOptions:
             raise ValueError(f"hsdp_replicate_size must be positive, got {self.hsdp_replicate_size}")
         if self.hsdp_shard_size == 0 or self.hsdp_shard_size < -1:
             raise ValueError(f"hsdp_shard_size must be positive or -1, got {self.hsdp_shard_size}")
+        if self.hsdp_weight_load not in _WEIGHT_LOADS:
+            raise ValueError(f"hsdp_weight_load must be one of {', '.join(_WEIGHT_LOADS)}, "
+                             f"got {self.hsdp_weight_load!r}")
+        if self.hsdp_broadcast_bucket_mb <= 0:
+            raise ValueError(f"hsdp_broadcast_bucket_mb must be positive, got {self.hsdp_broadcast_bucket_mb}")
+        if not self.hsdp_broadcast_timeout_s > 0:
+            raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
+
+_WEIGHT_LOADS = ("full", "broadcast", "rank_local")  # distributed_load.STRATEGIES (not imported: light module)
 
 _VLLM_OWNED_KEYS = ("is_draft",)
 """Keys vLLM itself adds to a loader's extra config; accepted and passed through untouched."""
@@ -84,6 +101,7 @@ _TYPE_NAMES = {
     "bool": "a boolean",
     "int": "an integer",
     "str | None": "a string",
+    "str": "a string",
 }
 
 
@@ -109,6 +127,10 @@ def _coerce(key: str, value: Any, type_name: str) -> Any:
     if type_name == "float":
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        raise bad()
+    if type_name == "str":
+        if isinstance(value, str):
+            return value
         raise bad()
     if type_name == "str | None":
         if value is None or isinstance(value, str):

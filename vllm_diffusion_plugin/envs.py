@@ -112,6 +112,22 @@ ENV_VARS: dict[str, EnvVar] = {
             _parse_str, extra_config_key="hsdp_block_pattern",
         ),
         EnvVar(
+            "VLLM_DIFFUSION_HSDP_WEIGHT_LOAD", "str", "full",
+            "How ranks get their weights: full (each reads all, then shards), broadcast (rank 0 reads, "
+            "sends buckets) or rank_local (each rank reads only its own shard rows).",
+            _parse_str, extra_config_key="hsdp_weight_load",
+        ),
+        EnvVar(
+            "VLLM_DIFFUSION_HSDP_BROADCAST_BUCKET_MB", "int", 256,
+            "Upper bound (MiB) on one single-dtype bucket of the broadcast weight load.",
+            _parse_int, extra_config_key="hsdp_broadcast_bucket_mb",
+        ),
+        EnvVar(
+            "VLLM_DIFFUSION_HSDP_BROADCAST_TIMEOUT_S", "float", 300.0,
+            "Seconds a rank waits for one broadcast collective before failing (a peer died or stalled).",
+            _parse_float, extra_config_key="hsdp_broadcast_timeout_s",
+        ),
+        EnvVar(
             "VLLM_DIFFUSION_ALLOW_PICKLE", "bool", False,
             "Allow .bin/.pt checkpoints (loaded with torch.load(weights_only=True)) when no "
             "safetensors are present.",

@@ -1,0 +1,128 @@
+"""What a load did: seconds per phase, bytes read, peak memory, devices, LoRA and HSDP facts.
+
+One ``LoadReport`` per rank. ``phase("read")`` times a step; ``to_dict()`` is the ``--json`` form and
+``format_table()`` the text form. ``merge_ranks`` combines the per-rank reports of one load.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PHASES = ("resolve", "build", "read", "broadcast", "lora", "postprocess", "shard", "save", "total")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+@dataclass
+class ComponentReport:
+    name: str
+    class_name: str
+    files: int = 0
+    bytes_read: int = 0
+    tensors: int = 0
+    param_bytes_total: int = 0
+    param_bytes_local: int = 0
+    """Parameter bytes this rank holds after sharding (== total without HSDP)."""
+    lora_keys_fused: int = 0
+    lora_compute_device: str | None = None
+    lora_fallbacks: int = 0
+    sharded_blocks: int = 0
+    shard_rule: str | None = None
+
+
+@dataclass
+class LoadReport:
+    rank: int = 0
+    world_size: int = 1
+    layout: tuple[int, int] = (1, 1)
+    """HSDP (replicate, shard) sizes; (1, 1) when not sharded."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    strategy: str = "full"
+    """The ``hsdp_weight_load`` strategy used: full, broadcast or rank_local."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    components: list[ComponentReport] = field(default_factory=list)
+    peak_rss_bytes: int = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(c.bytes_read for c in self.components)
+
+    def finish(self) -> LoadReport:
+        self.peak_rss_bytes = peak_rss_bytes()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layout"] = {"replicate": self.layout[0], "shard": self.layout[1]}
+        data["bytes_read"] = self.bytes_read
+        data["lora_keys_fused"] = sum(c.lora_keys_fused for c in self.components)
+        data["lora_compute_device"] = next(
+            (c.lora_compute_device for c in self.components if c.lora_compute_device), None)
+        return data
+
+
+def merge_ranks(reports: list[LoadReport]) -> dict[str, Any]:
+    """One JSON object for a whole load: rank 0's view plus the per-rank figures."""
+    reports = sorted(reports, key=lambda r: r.rank)
+    merged = reports[0].to_dict()
+    merged["ranks"] = [
+        {"rank": r.rank, "bytes_read": r.bytes_read, "peak_rss_bytes": r.peak_rss_bytes,
+         "seconds": r.seconds,
+         "param_bytes_local": sum(c.param_bytes_local for c in r.components)}
+        for r in reports
+    ]
+    return merged
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def format_table(merged: dict[str, Any]) -> str:
+    """A human-readable table of ``merge_ranks`` output."""
+    layout = merged["layout"]
+    lines = [
+        f"world {merged['world_size']} (replicate {layout['replicate']} x shard {layout['shard']}), "
+        f"device {merged['device']}, dtype {merged['dtype']}, weight load {merged.get('strategy', 'full')}",
+        "",
+        f"{'component':<16}{'class':<28}{'files':>6}{'read':>12}{'params':>12}{'local':>12}"
+        f"{'lora keys':>10}  lora device",
+    ]
+    for c in merged["components"]:
+        lines.append(
+            f"{c['name']:<16}{c['class_name']:<28}{c['files']:>6}{_size(c['bytes_read']):>12}"
+            f"{_size(c['param_bytes_total']):>12}{_size(c['param_bytes_local']):>12}"
+            f"{c['lora_keys_fused']:>10}  {c['lora_compute_device'] or '-'}"
+        )
+    lines += ["", "phase seconds: " + ", ".join(
+        f"{p} {merged['seconds'][p]:.2f}" for p in PHASES if p in merged["seconds"])]
+    lines.append(f"{'rank':<6}{'read':>12}{'local params':>14}{'peak RSS':>12}")
+    for r in merged["ranks"]:
+        lines.append(f"{r['rank']:<6}{_size(r['bytes_read']):>12}{_size(r['param_bytes_local']):>14}"
+                     f"{_size(r['peak_rss_bytes']):>12}")
+    return "\n".join(lines)
