@@ -108,3 +108,9 @@ def configure_vllm_logging() -> None:
     config_cls = _optional("vllm.config.logging", "LoggingConfig")
     if configure is not None and config_cls is not None:
         configure(config_cls())
+
+
+def maybe_retie_word_embeddings() -> Callable[..., Any] | None:
+    """vLLM's ``maybe_retie_word_embeddings(model, model_config)`` (reclaims an lm_head equal to the
+    embeddings), run by vLLM's own post-load processing; None on a vLLM without it."""
+    return _optional("vllm.model_executor.model_loader.weight_tying", "maybe_retie_word_embeddings")

@@ -1,0 +1,64 @@
+"""Runs real vLLM ``get_model()`` on CPU for several load scenarios in ONE fresh process and saves results.
+
+vLLM's distributed init happens once per process and keeps a default process group, so these scenarios run
+apart from the rest of the suite: ``python get_model_scenarios.py SPEC.json OUT_DIR``. SPEC is a list of
+``{"name", "model", "load_format", "extra"}``; for each, OUT_DIR/<name>.pt holds the parameters (DTensors
+gathered), the logits of a fixed hidden state (unsharded models), and any error's type and message.
+"""
+
+import json
+import os
+import socket
+import sys
+import traceback
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ["VLLM_DIFFUSION_PLUGIN"] = "1"
+
+import torch  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.model_loader import get_model  # noqa: E402
+from vllm.plugins import load_general_plugins  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(spec_path: str, out_dir: str) -> None:
+    load_general_plugins()  # discovers and runs our entry point, as every vLLM process does
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+    initialized = False
+    hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for scenario in json.loads(open(spec_path).read()):
+        result = {}
+        try:
+            vc = EngineArgs(model=scenario["model"], load_format=scenario["load_format"],
+                            model_loader_extra_config=scenario.get("extra") or {}, skip_tokenizer_init=True,
+                            dtype="float32", max_model_len=128).create_engine_config()
+            with set_current_vllm_config(vc):
+                if not initialized:
+                    initialize_model_parallel(1, 1)
+                    initialized = True
+                model = get_model(vllm_config=vc)
+                params = {}
+                for name, p in model.named_parameters():
+                    is_dtensor = hasattr(p, "full_tensor")
+                    params[name] = (p.full_tensor() if is_dtensor else p).detach().clone()
+                    result.setdefault("dtensors", []).extend([name] if is_dtensor else [])
+                result["params"] = params
+                if not result.get("dtensors"):  # FSDP unshards in forward(), not in compute_logits()
+                    result["logits"] = model.compute_logits(hidden).detach().clone()
+                result["loader"] = type(model).__name__
+        except Exception as exc:  # recorded for the test to assert on
+            result = {"error_type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()}
+        torch.save(result, os.path.join(out_dir, scenario["name"] + ".pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
