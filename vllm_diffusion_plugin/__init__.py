@@ -20,7 +20,7 @@ def register() -> None:
 
     Disabled (``VLLM_DIFFUSION_PLUGIN`` unset/0/false/no/off): returns at once. Enabled: registers the
     ``diffusion-hsdp`` load format with vLLM's loader registry, registers our env var names with vLLM's env
-    registry and logs one INFO line. An invalid value raises ``ValueError`` (vLLM then refuses to start).
+    registry, arms the vllm-omni patches (when vllm-omni is installed) and logs one INFO line. An invalid value raises ``ValueError`` (vLLM then refuses to start).
     """
     global _registered
     from vllm_diffusion_plugin import envs
@@ -36,6 +36,9 @@ def register() -> None:
     from vllm_diffusion_plugin.vllm_loader import DiffusionHSDPLoader
 
     compat.register_model_loader(LOAD_FORMAT)(DiffusionHSDPLoader)
+    from vllm_diffusion_plugin.omni import apply_patches
+
+    apply_patches()  # vllm-omni: patched when its loader modules are imported; a no-op without it
 
     _registered = True
     init_logger(__name__).info(
