@@ -22,6 +22,7 @@ from vllm.model_executor.model_loader.reload import layerwise
 
 from vllm_diffusion_plugin import compat
 from vllm_diffusion_plugin.postprocess import PROCESSED_ATTR, has_online_quant, process_weights_after_loading
+from vllm_diffusion_plugin.testing.online_quant import TorchFp8OnlineMethod
 
 FP8 = torch.float8_e4m3fn
 
@@ -43,33 +44,6 @@ class RecordingScaleMethod(QuantizeMethodBase):
         self.calls.append({n: (p.device, type(p).__name__) for n, p in layer.named_parameters()})
         with torch.no_grad():
             layer.weight.mul_(2.0)
-
-
-class TorchFp8OnlineMethod(QuantizeMethodBase):
-    """Online per-tensor fp8 in pure torch, shaped like vLLM's ``Fp8PerTensorOnlineLinearMethod``: weights
-    start on ``meta``, vLLM's layerwise loader materializes and processes a layer when its last weight
-    arrives; the result is an fp8 ``.t()`` view plus a scale, and vLLM's "already processed" marker."""
-
-    uses_meta_device = True
-
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, loader) -> None:
-        weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
-        weight.weight_loader = loader
-        layer.register_parameter("weight", weight)
-        layerwise.initialize_online_processing(layer)  # vLLM's real loader wrapping
-
-    def apply(self, layer, x, bias=None):
-        return x @ (layer.weight.float() * layer.weight_scale)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if getattr(layer, "_already_called_process_weights_after_loading", False):
-            return
-        weight = layer.weight.detach()
-        scale = weight.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
-        qweight = (weight / scale).clamp(torch.finfo(FP8).min, torch.finfo(FP8).max).to(FP8)
-        layer.weight = nn.Parameter(qweight.t(), requires_grad=False)  # column-major, as vLLM's kernels want
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        layer._already_called_process_weights_after_loading = True
 
 
 def full_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:

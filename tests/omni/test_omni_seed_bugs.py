@@ -8,43 +8,17 @@ import torch
 from omni_support import RecordedLinear, captured_logs, import_omni, omni_loader
 from safetensors.torch import load_file
 from torch import nn
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import layerwise
 
 from vllm_diffusion_plugin.postprocess import PROCESSED_ATTR
 from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+from vllm_diffusion_plugin.testing.online_quant import FP8, TorchFp8OnlineMethod
 from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
 
 import_omni()  # skips this module where vllm-omni is not installed
 
-FP8 = torch.float8_e4m3fn
-
 
 # --- post-load processing: the seed bugs ---------------------------------------------------------------------
-class OnlineFp8(QuantizeMethodBase):
-    """Online per-tensor fp8 shaped like vLLM's: weights on ``meta``, materialized by vLLM's layerwise loader."""
-
-    uses_meta_device = True
-
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, loader) -> None:
-        weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
-        weight.weight_loader = loader
-        layer.register_parameter("weight", weight)
-        layerwise.initialize_online_processing(layer)  # vLLM's real loader wrapping
-
-    def apply(self, layer, x, bias=None):
-        return x @ (layer.weight.float() * layer.weight_scale)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if getattr(layer, "_already_called_process_weights_after_loading", False):
-            return
-        weight = layer.weight.detach()
-        scale = weight.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
-        layer.weight = nn.Parameter((weight / scale).to(FP8).t(), requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
-        layer._already_called_process_weights_after_loading = True
-
-
 def padded_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Fills fewer rows than the parameter has: the layer never completes and stays on ``meta``."""
     param.data[: loaded.shape[0]].copy_(loaded)
@@ -53,7 +27,7 @@ def padded_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 def straggler_layer() -> nn.Module:
     layer = nn.Module()
-    layer.quant_method = OnlineFp8()
+    layer.quant_method = TorchFp8OnlineMethod()
     layer.quant_method.create_weights(layer, 16, 8, padded_loader)
     layer.weight.weight_loader(layer.weight, torch.randn(6, 16))  # 6 of 8 rows: left on meta
     assert layer.weight.is_meta
