@@ -307,6 +307,11 @@ def resolve_component(folder: str | os.PathLike, *, name: str | None = None,
                            config=MappingProxyType(config), tensors=MappingProxyType(tensors))
 
 
+def is_transformer(name: str) -> bool:
+    """Whether a pipeline component is one of its DiTs (diffusers names them transformer, transformer_2, ...)."""
+    return name.startswith("transformer")
+
+
 def pipeline_components(model_index: Mapping[str, Any]) -> list[str]:
     """Component names a ``model_index.json`` declares (entries ``[library, class]`` that are not null)."""
     return sorted(key for key, value in model_index.items()
@@ -336,7 +341,7 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, components: Sequence[st
         return [resolve_component(path, allow_pickle=allow_pickle)]
     available = pipeline_components(_read_json(model_index_path, "the pipeline index"))
     if components is None:
-        selected = [name for name in available if name.startswith("transformer")]
+        selected = [name for name in available if is_transformer(name)]
         if not selected:
             raise CheckpointError(f"{model_index_path}: no transformer component; available: {available}")
     else:
@@ -374,6 +379,6 @@ def _download(repo_id: str, *, components: Sequence[str] | None, allow_pickle: b
     if (root / "model_index.json").is_file():
         names = components or [n for n in pipeline_components(_read_json(root / "model_index.json",
                                                                          "the pipeline index"))
-                               if n.startswith("transformer")]
+                               if is_transformer(n)]
         return fetch(["model_index.json"] + [f"{name}/{pattern}" for name in names for pattern in weights])
     return fetch(weights)

@@ -79,7 +79,7 @@ def _options(args: argparse.Namespace):
 
 def _validate(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no weights, in the launching process, before any rank starts."""
-    from vllm_diffusion_plugin.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.checkpoint import is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.distributed_load import check_strategy
     from vllm_diffusion_plugin.hsdp import HSDPConfig
     from vllm_diffusion_plugin.pipeline import LoraSpec, assign_loras
@@ -92,7 +92,7 @@ def _validate(args: argparse.Namespace, world_size: int) -> None:
     options = _options(args)
     sources = resolve_checkpoint(args.checkpoint, components=args.components, allow_pickle=options.allow_pickle)
     assign_loras([LoraSpec.parse(text) for text in args.lora],
-                 [s.name for s in sources if s.name.startswith("transformer")])
+                 [s.name for s in sources if is_transformer(s.name)])
     check_strategy(options.hsdp_weight_load, sources=sources, world_size=world_size,
                    sharded=world_size > 1)
 

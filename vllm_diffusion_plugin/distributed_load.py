@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import CheckpointError, ComponentSource
+from vllm_diffusion_plugin.checkpoint import CheckpointError, ComponentSource, is_transformer
 from vllm_diffusion_plugin.config import LoadOptions
 from vllm_diffusion_plugin.report import LoadReport
 
@@ -63,10 +63,6 @@ class ComponentLoad:
     """``hsdp.ShardReport`` when the strategy sharded the module itself (``rank_local``), else None."""
 
 
-def _is_dit(source: ComponentSource) -> bool:
-    return source.name.startswith("transformer")
-
-
 def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_size: int, sharded: bool) -> str:
     """The strategy to use for this load, or ``StrategyError`` naming one that works. Reads nothing.
 
@@ -79,7 +75,7 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
         raise StrategyError(f"hsdp_weight_load must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "full":
         return strategy
-    concerned = [s for s in sources if strategy == "broadcast" or _is_dit(s)]
+    concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s.name)]
     for source in concerned:
         cls = component_class(source)
         if callable(getattr(cls, "load_weights", None)):

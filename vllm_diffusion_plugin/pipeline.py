@@ -24,7 +24,7 @@ from torch import nn
 
 from vllm_diffusion_plugin import platform
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import ComponentSource, resolve_checkpoint
+from vllm_diffusion_plugin.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.config import LoadOptions
 from vllm_diffusion_plugin.hsdp import HSDPConfig
 from vllm_diffusion_plugin.report import ComponentReport, LoadReport
@@ -159,7 +159,7 @@ def load_components(
             report.layout = hsdp.mesh_shape
         with report.phase("resolve"):
             sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
-        transformers = [s.name for s in sources if s.name.startswith("transformer")]
+        transformers = [s.name for s in sources if is_transformer(s.name)]
         loras = assign_loras(lora_specs, transformers) if lora_specs else {}
         report.strategy = check_strategy(options.hsdp_weight_load, sources=sources, world_size=world.world_size,
                                          sharded=hsdp is not None)
