@@ -26,6 +26,7 @@ from vllm_diffusion_plugin.lora import (
     load_lora_state_dict,
     normalize_lora,
 )
+from vllm_diffusion_plugin.testing.logs import captured_logs
 
 WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
@@ -71,12 +72,8 @@ def cpu_host(monkeypatch):
 
 @pytest.fixture
 def format_warnings():
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    formats.logger.addHandler(handler)
-    yield records
-    formats.logger.removeHandler(handler)
+    with captured_logs("vllm_diffusion_plugin.lora.formats", logging.WARNING) as logs:
+        yield logs.records
 
 
 def ab(out_f: int, in_f: int, rank: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora import fuse as fuse_mod
 from vllm_diffusion_plugin.lora import (
     LoraDelta,
     LoraFusionError,
@@ -24,6 +23,8 @@ from vllm_diffusion_plugin.lora import (
     fuse_lora,
     unfuse_lora,
 )
+from vllm_diffusion_plugin.lora import fuse as fuse_mod
+from vllm_diffusion_plugin.testing.logs import captured_logs
 
 
 class Blocks(nn.Module):
@@ -89,12 +90,8 @@ def no_accelerator(monkeypatch):
 @pytest.fixture
 def fuse_warnings():
     """Records fuse.py's warnings; vLLM's logger tree does not propagate to the root (so no caplog)."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    fuse_mod.logger.addHandler(handler)
-    yield records
-    fuse_mod.logger.removeHandler(handler)
+    with captured_logs("vllm_diffusion_plugin.lora.fuse", logging.WARNING) as logs:
+        yield logs.records
 
 
 # ---- the seed regression: CPU weights + usable accelerator -> the matmul runs on the accelerator -----------

@@ -125,25 +125,17 @@ def test_bad_other_variable_fails_at_register(fresh_registry, monkeypatch):
 def test_register_twice_registers_once_and_logs_once(fresh_registry, monkeypatch):
     from vllm.model_executor import model_loader
 
+    from vllm_diffusion_plugin.testing.logs import captured_logs
+
     monkeypatch.setenv("VLLM_DIFFUSION_PLUGIN", "1")
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.vllm_diffusion_plugin")
-    old_level = logger.level
-    logger.setLevel(logging.INFO)  # setLevel, not .level =: it also clears the isEnabledFor cache
-    logger.addHandler(handler)
     calls = []
     real = model_loader.register_model_loader
     monkeypatch.setattr(model_loader, "register_model_loader", lambda name: calls.append(name) or real(name))
-    try:
+    with captured_logs("vllm_diffusion_plugin", logging.INFO) as logs:
         vllm_diffusion_plugin.register()
         vllm_diffusion_plugin.register()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
     assert calls == [LOAD_FORMAT]
-    assert len(records) == 1 and "load format `diffusion-hsdp` registered" in records[0].getMessage()
+    assert len(logs.records) == 1 and "load format `diffusion-hsdp` registered" in logs.records[0].getMessage()
 
 
 def test_env_names_registered_with_vllm(fresh_registry, monkeypatch):

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import os
 import sys
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 from torch import nn
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+from vllm_diffusion_plugin.testing.logs import captured_logs  # noqa: F401  (re-exported for the omni tests)
 
 REQUIRED = os.environ.get("OMNI_TESTS_REQUIRED") == "1"
 
@@ -53,32 +52,6 @@ def omni_loader(load_format: str = "diffusion-hsdp", extra: dict | None = None, 
 
     return DiffusersPipelineLoader(LoadConfig(load_format=load_format, model_loader_extra_config=extra or {}),
                                    omni_config(**od_kwargs))
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def messages(self, level: int = logging.WARNING) -> list[str]:
-        return [r.getMessage() for r in self.records if r.levelno >= level]
-
-
-@contextmanager
-def captured_logs(module_name: str) -> Iterator[_Records]:
-    """Records of our logger for ``module_name`` (vLLM's loggers do not propagate to pytest's caplog)."""
-    from vllm_diffusion_plugin._logging import PREFIX
-
-    logger = logging.getLogger(PREFIX + module_name)
-    handler = _Records()
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
 
 
 class RecordingMethod(QuantizeMethodBase):
