@@ -68,22 +68,18 @@ def quantize_method_base() -> type:
                     purpose="finding quantized layers for post-load processing")
 
 
-def finalize_layerwise_processing() -> Callable[..., Any] | None:
-    """vLLM's ``finalize_layerwise_processing(model, model_config)``, or None when this vLLM predates
-    layerwise online quantization (then no layer can be left on ``meta`` by it either)."""
-    return _optional("vllm.model_executor.model_loader.reload.layerwise", "finalize_layerwise_processing")
-
-
 def require_finalize_layerwise_processing() -> Callable[..., Any]:
-    """As ``finalize_layerwise_processing`` but raises when online quant is in use and it is missing."""
+    """vLLM's ``finalize_layerwise_processing(model, model_config)``; call it only when online quant is in use
+    (a vLLM without it cannot have left layers on ``meta``), so its absence then is an error."""
     return _require("vllm.model_executor.model_loader.reload.layerwise", "finalize_layerwise_processing",
                     purpose="materializing online-quant layers left on the meta device")
 
 
-def vllm_process_weights_after_loading() -> Callable[..., Any]:
-    """vLLM's own ``process_weights_after_loading(model, model_config, target_device)``."""
-    return _require("vllm.model_executor.model_loader.utils", "process_weights_after_loading",
-                    purpose="vLLM's post-load processing")
+def is_deferred_attention_layer() -> Callable[[Any], bool]:
+    """vLLM's ``is_deferred_attention_layer(module)`` (attention layers with their own post-load processing);
+    on a vLLM without it, a predicate that is always False (no such layers exist there)."""
+    found = _optional("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
+    return found if found is not None else (lambda layer: False)
 
 
 def register_env_vars(names: list[str]) -> bool:

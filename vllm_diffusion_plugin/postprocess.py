@@ -24,17 +24,16 @@ function is idempotent and safe on an already-sharded model.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from vllm_diffusion_plugin._logging import init_logger
 
 from vllm_diffusion_plugin import compat
+from vllm_diffusion_plugin._logging import init_logger
 
 logger = init_logger(__name__)
 
@@ -69,7 +68,7 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
     ``target_device`` (see the module docstring). ``model_config`` (vLLM ``ModelConfig``) is needed only by
     vLLM attention layers; diffusion transformers have none."""
     target = torch.device(target_device)
-    is_attention = _deferred_attention_check()
+    is_attention = compat.is_deferred_attention_layer()
     attention = [(n, m) for n, m in model.named_modules() if is_attention(m)]
     if attention and model_config is None:
         raise ValueError(f"model_config is required: {type(model).__name__} has vLLM attention layers "
@@ -161,16 +160,6 @@ def _resync_fsdp_unit(model: nn.Module, name: str, module: nn.Module, sharded: s
             device = next(p.device for p in unit.parameters() if isinstance(p, DTensor))
             unit.to(device)
             return
-
-
-def _deferred_attention_check() -> Callable[[nn.Module], bool]:
-    try:
-        module = importlib.import_module("vllm.model_executor.layers.attention")
-        return module.is_deferred_attention_layer
-    except (ImportError, AttributeError):
-        logger.debug("This vLLM (%s) has no is_deferred_attention_layer; no attention-layer processing.",
-                     compat.vllm_version())
-        return lambda layer: False
 
 
 def _placement(module: nn.Module, name: str, target: torch.device, online: bool, *, needed: bool):

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
-from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from vllm_diffusion_plugin import compat
 from vllm_diffusion_plugin._logging import init_logger
@@ -30,7 +29,7 @@ from vllm_diffusion_plugin.pipeline import LoraSpec
 logger = init_logger(__name__)
 
 
-class DiffusionHSDPLoader(BaseModelLoader):
+class DiffusionHSDPLoader(compat.base_model_loader()):
     """Streams an HF / diffusers checkpoint folder into the model vLLM builds, through the plugin's steps."""
 
     def __init__(self, load_config: LoadConfig):
