@@ -267,7 +267,8 @@ class _LoadStep:
         if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
             with self.report.phase("lora"):
                 stats = fuse_lora_files(module, lora_files, strict=self.options.lora_strict,
-                                        chunk_mb=self.options.lora_device_chunk_mb)
+                                        chunk_mb=self.options.lora_device_chunk_mb,
+                                        check_finite=self.options.lora_check_finite)
         return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)
 
 
