@@ -38,6 +38,8 @@ import torch
 WIDE_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+TINY_CONFIG = dict(WIDE_CONFIG, num_attention_heads=2, attention_head_dim=64, text_dim=128, ffn_dim=256)
+"""``--tiny``: the same model family 40x narrower, to check the plumbing (``gpu_proof.py --cpu-check``)."""
 DTYPE = torch.bfloat16
 
 
@@ -45,35 +47,36 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _config(num_layers: int) -> dict:
+def _config(num_layers: int, base: dict) -> dict:
     import diffusers
 
     return {"_class_name": "WanTransformer3DModel", "_diffusers_version": diffusers.__version__,
-            **WIDE_CONFIG, "num_layers": num_layers}
+            **base, "num_layers": num_layers}
 
 
-def _meta_bytes(num_layers: int) -> int:
+def _meta_bytes(num_layers: int, base: dict) -> int:
     from vllm_diffusion_plugin.checkpoint import ComponentSource
     from vllm_diffusion_plugin.skeleton import build_component
 
     src = ComponentSource(name="probe", folder=Path("."), files=(), format="safetensors", index=None,
-                          config=MappingProxyType(_config(num_layers)))
+                          config=MappingProxyType(_config(num_layers, base)))
     return sum(p.numel() * 2 for p in build_component(src, dtype=DTYPE, device="meta").parameters())
 
 
-def ensure_checkpoint(out_dir: Path, size_gb: float) -> Path:
+def ensure_checkpoint(out_dir: Path, size_gb: float, base: dict = WIDE_CONFIG) -> Path:
     """The cached component folder for ``size_gb`` (generated on first use)."""
     from vllm_diffusion_plugin.checkpoint import ComponentSource
     from vllm_diffusion_plugin.skeleton import build_component, save_component
 
-    base, per_layer = _meta_bytes(1), _meta_bytes(2) - _meta_bytes(1)
-    num_layers = max(1, math.ceil((size_gb * 1e9 - (base - per_layer)) / per_layer))
-    folder = out_dir / f"wan-5120-{num_layers}L-bf16" / "transformer"
+    first, per_layer = _meta_bytes(1, base), _meta_bytes(2, base) - _meta_bytes(1, base)
+    num_layers = max(1, math.ceil((size_gb * 1e9 - (first - per_layer)) / per_layer))
+    width = base["num_attention_heads"] * base["attention_head_dim"]
+    folder = out_dir / f"wan-{width}-{num_layers}L-bf16" / "transformer"
     if (folder / "config.json").is_file():
         return folder
-    _log(f"generating a {num_layers}-block 5120-wide WanTransformer3DModel checkpoint "
-         f"(~{(base + (num_layers - 1) * per_layer) / 1e9:.2f} GB) in {folder} ...")
-    config = _config(num_layers)
+    _log(f"generating a {num_layers}-block {width}-wide WanTransformer3DModel checkpoint "
+         f"(~{(first + (num_layers - 1) * per_layer) / 1e9:.2f} GB) in {folder} ...")
+    config = _config(num_layers, base)
     src = ComponentSource(name="transformer", folder=folder, files=(), format="safetensors", index=None,
                           config=MappingProxyType(config))
     module = build_component(src, dtype=DTYPE, device="cpu")
@@ -136,6 +139,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the module lives: cpu (default), cuda, npu ...")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--tiny", action="store_true", help="a 128-wide model of --size-gb (default 0.01 GB)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     device = torch.device(args.device)
@@ -146,7 +150,10 @@ def main(argv=None) -> dict:
     from vllm_diffusion_plugin.skeleton import build_component
     from vllm_diffusion_plugin.weights import load_into_module
 
-    folder = ensure_checkpoint(args.out_dir, args.size_gb)
+    if args.tiny:
+        folder = ensure_checkpoint(args.out_dir, args.size_gb if args.size_gb != 2.0 else 0.01, TINY_CONFIG)
+    else:
+        folder = ensure_checkpoint(args.out_dir, args.size_gb)
     source = resolve_component(folder)
     total = source.total_bytes
     _log(f"checkpoint: {folder} ({len(source.files)} shards, {len(source.tensors)} tensors, {total / 1e9:.2f} GB)")

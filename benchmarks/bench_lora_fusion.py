@@ -14,7 +14,8 @@ and at all threads. Variants (each fuses ``W += s * B @ A`` into a bf16 weight i
   scaled to the full layer (it is ~100x slower);
 - ours (no-onednn): ``fuse_lora`` under the same setting (the rule must then pick the fp32 path).
 
-Goals (PASS/FAIL): ours <= 1.1x the floor; ours >= 15x faster than peft-style; under no-onednn,
+Goals (PASS/FAIL): ours <= 1.1x the unchecked floor -- the faster of bf16 ``addmm_`` and fp32-chunked, since a
+CPU without fast bf16 GEMM kernels (no AVX512-BF16/AMX) runs the fp32 path; ours >= 15x faster than peft-style; under no-onednn,
 ours >= 20x faster than the slow bf16 path. Whole-transformer figures: 320 layers of 5120^2 + 80 of
 13824x5120 (Wan2.2 A14B). Usage: ``python benchmarks/bench_lora_fusion.py [--threads 1,all] [--json]``.
 """
@@ -120,8 +121,9 @@ def summarize(threads: int, rows: dict) -> dict:
     whole = {name: sum(LAYERS[label] * rows[label][name] for label in rows) for name in timed}
     goals = []
     for label, row in rows.items():
+        floor = min(row["floor"], row["fp32-chunked"])
         goals += [
-            (f"{label}: ours <= 1.1x the bf16 addmm_ floor", row["ours"] / row["floor"], row["ours"] <= 1.1 * row["floor"]),
+            (f"{label}: ours <= 1.1x the unchecked floor", row["ours"] / floor, row["ours"] <= 1.1 * floor),
             (f"{label}: ours >= 15x faster than peft-style", row["peft-style"] / row["ours"],
              row["peft-style"] >= 15 * row["ours"]),
             (f"{label}: no-onednn ours >= 20x faster than slow bf16", row["no-onednn bf16"] / row["ours (no-onednn)"],

@@ -82,6 +82,21 @@ def is_deferred_attention_layer() -> Callable[[Any], bool]:
     return found if found is not None else (lambda layer: False)
 
 
+_VLLM_PACKAGES = ("vllm", "vllm_omni")
+
+
+def may_hold_vllm_layers(model: Any) -> bool:
+    """Whether ``model`` can hold a vLLM layer or quant method: some module's class, or its ``quant_method``'s,
+    derives from a class defined in vLLM or vllm-omni. A diffusers DiT holds none, and then vLLM's attention
+    and quantization modules (seconds to import) need not be imported to know that none of them is there."""
+    for module in model.modules():
+        for obj in (module, getattr(module, "quant_method", None)):
+            if obj is not None and any(cls.__module__.split(".")[0] in _VLLM_PACKAGES
+                                       for cls in type(obj).__mro__):
+                return True
+    return False
+
+
 def register_env_vars(names: list[str]) -> bool:
     """Add our variable names to vLLM's env registry so it does not warn about unknown ``VLLM_*`` variables.
 
