@@ -146,10 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the JSON report here")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="local wheels for the venv")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget for all steps")
+    parser.add_argument("--budget-s", type=float, help="wall-clock budget for all steps (450 s; --cpu-check: 1500 s, "
+                        "no per-step limits: a loaded CI host is slow, not hung)")
     parser.add_argument("--cpu-check", action="store_true", help="tiny sizes on the CPU: check the plumbing")
     parser.add_argument("--steps", default="cuda_tests,bench_load,lora_device,omni_serve")
     args = parser.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 1500.0 if args.cpu_check else 450.0
     started = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1")
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             report["steps"][name] = {"status": "skipped", "reason": f"budget of {args.budget_s} s spent"}
             continue
         cmd, parse = plans[name]
-        report["steps"][name] = run_step(name, cmd, limit_s=min(STEP_LIMITS_S[name], left), env=env, parse=parse)
+        limit = left if args.cpu_check else min(STEP_LIMITS_S[name], left)
+        report["steps"][name] = run_step(name, cmd, limit_s=limit, env=env, parse=parse)
     report["goals"] = goals_of(report["steps"])
     report["seconds"] = round(time.perf_counter() - started, 1)
     text = json.dumps(report, indent=2, default=str)

@@ -176,15 +176,16 @@ def strict_check_exemptions(module: nn.Module) -> set[str]:
     absent); empty placeholders (``numel() == 0``); parameters the quant config builds (``input_scale_ub``).
     Unlike vLLM's unquantized default, a plain layer's weights are never exempt.
     """
+    exempt = {name for name, p in module.named_parameters() if p.numel() == 0}
+    quantized = [(prefix, sub, sub.quant_method) for prefix, sub in module.named_modules()
+                 if getattr(sub, "quant_method", None) is not None]
+    if not quantized:  # a diffusers DiT: vLLM's quantization modules (seconds to import) are not needed
+        return exempt
     try:
         from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
     except ImportError:  # older/newer vLLM layout: no KV-cache exemption by type
         BaseKVCacheMethod = ()
-    exempt = {name for name, p in module.named_parameters() if p.numel() == 0}
-    for prefix, sub in module.named_modules():
-        method = getattr(sub, "quant_method", None)
-        if method is None:
-            continue
+    for prefix, sub, method in quantized:
         whole = bool(getattr(method, "uses_meta_device", False)) or isinstance(method, BaseKVCacheMethod)
         for name, _ in sub.named_parameters():
             if whole or name.rsplit(".", 1)[-1] in _CONFIG_BUILT_PARAMS:
