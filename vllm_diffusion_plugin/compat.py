@@ -114,7 +114,18 @@ def register_env_vars(names: list[str]) -> bool:
 
 def configure_vllm_logging() -> None:
     """Apply vLLM's default logging configuration in this process (vLLM does it lazily in its engine; a
-    standalone command must ask). Honours ``VLLM_LOGGING_LEVEL``/``VLLM_LOGGING_STREAM``/``VLLM_CONFIGURE_LOGGING``."""
+    standalone command must ask). Honours ``VLLM_LOGGING_LEVEL``/``VLLM_LOGGING_STREAM``/``VLLM_CONFIGURE_LOGGING``.
+
+    Where ``vllm.config`` is not imported yet (the CLI), vLLM's bootstrap configuration from those variables
+    is applied (``vllm.logger._configure_vllm_root_logger()``: the same handler and format): its
+    ``LoggingConfig`` lives in ``vllm.config``, whose import pulls in vLLM's quantization layers and every
+    config (seconds). A vLLM without that function gets the ``LoggingConfig`` path."""
+    import sys
+
+    bootstrap = _optional("vllm.logger", "_configure_vllm_root_logger")
+    if bootstrap is not None and "vllm.config" not in sys.modules:
+        bootstrap()
+        return
     configure = _optional("vllm.logger", "configure_logging_if_needed")
     config_cls = _optional("vllm.config.logging", "LoggingConfig")
     if configure is not None and config_cls is not None:
