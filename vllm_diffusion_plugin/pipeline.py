@@ -262,7 +262,7 @@ class _LoadStep:
             module = build_component(source, dtype=self.dtype, device="cpu")
         with self.report.phase("read"):
             result = load_into_module(module, source=source, strict_unexpected=self.options.strict_unexpected,
-                                      progress=self.progress)
+                                      progress=self.progress, map_private=True)  # untouched weights: no copy
         stats = None
         if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
             with self.report.phase("lora"):
