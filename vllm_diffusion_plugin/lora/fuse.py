@@ -20,8 +20,8 @@ seconds per 5120^2 layer (the 22 min per Wan2.2 transformer seen on a Kunpeng ho
   oneDNN is available and enabled *and* a one-time micro-probe (cached per process, per dtype and oneDNN
   state) shows that dtype's GEMM within 2x of the fp32 one; used only when ``A``/``B`` share the weight's
   dtype and ``|s| * r * max|A| * max|B|`` cannot overflow it;
-- ``"fp32-chunks"`` otherwise: rows upcast into one reused fp32 buffer, ``addmm_`` there, checked, written
-  back (no fresh full-size temporaries; buffers are reused across the weights of a call).
+- ``"fp32-chunks"`` otherwise: rows upcast into one reused fp32 buffer, ``addmm_`` there, checked (when
+  the integrity rule below asks), written back (no fresh full-size temporaries; buffers are reused across the weights of a call).
 
 Integrity without a second pass over every weight. A fused weight ``W + s * B @ A`` can be non-finite only
 through (1) a non-finite ``A``, ``B`` or ``s``, (2) an overflow of the delta, or (3) a bad base weight (NaN/inf,
