@@ -61,8 +61,8 @@ def assert_reference(model: nn.Module, ref: dict[str, torch.Tensor], dtype: torc
         got = mod.weight.detach().double()
         if dtype == torch.float32:
             torch.testing.assert_close(got, ref[name], rtol=1e-5, atol=1e-6, msg=name)
-        else:  # rounded once: the nearest low-precision value of the exact result
-            assert ((got - ref[name].to(dtype).double()).abs() <= ref[name].abs() * 2**-8).all(), name
+        else:  # rounded once (fp32 accumulation in cuBLAS): within one bf16 ulp of the exact result
+            assert ((got - ref[name]).abs() <= ref[name].abs() * 2**-7).all(), name
 
 
 @pytest.fixture
