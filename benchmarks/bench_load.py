@@ -7,7 +7,8 @@ in ``--out-dir``. Each measurement runs ``--repeats`` times after the page cache
 
   (a) floor       raw ``safe_open().get_tensor`` -> ``param.copy_`` into a preallocated module
   (b1) ours        ``load_into_module(module, source=...)`` (validation + iterate_weights) into the same module
-  (b2) ours e2e    ``build_component`` (meta skeleton, uninitialized storage) + ``load_into_module``
+  (b2) ours e2e    ``build_component`` (meta skeleton, uninitialized storage) + ``load_into_module`` (on the CPU
+                  with ``map_private``, as the pipeline: weights view a copy-on-write mapping of the file)
   (c) diffusers   ``WanTransformer3DModel.from_pretrained(folder, torch_dtype=bfloat16)``, then ``.to(device)``
                   for an accelerator; on CPU also (c') with every parameter page touched once afterwards: with
                   accelerate installed, diffusers maps the safetensors pages into the parameters without copying,
