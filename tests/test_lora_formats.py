@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora import (
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora import (
     LoraFormatError,
     LoraRankError,
     LoraShapeError,
@@ -72,7 +72,7 @@ def cpu_host(monkeypatch):
 
 @pytest.fixture
 def format_warnings():
-    with captured_logs("vllm_diffusion_plugin.lora.formats", logging.WARNING) as logs:
+    with captured_logs("vllm_diffusion_plugin.engine.lora.formats", logging.WARNING) as logs:
         yield logs.records
 
 

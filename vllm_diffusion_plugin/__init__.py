@@ -33,10 +33,10 @@ def register() -> None:
 
     envs.validate_all()  # fail fast on any other malformed VLLM_DIFFUSION_* value
     compat.register_env_vars(list(envs.ENV_VARS))
-    from vllm_diffusion_plugin.vllm_loader import DiffusionHSDPLoader
+    from vllm_diffusion_plugin.doors.vllm_loader import DiffusionHSDPLoader
 
     compat.register_model_loader(LOAD_FORMAT)(DiffusionHSDPLoader)
-    from vllm_diffusion_plugin.omni import apply_patches
+    from vllm_diffusion_plugin.doors.omni import apply_patches
 
     apply_patches()  # vllm-omni: patched when its loader modules are imported; a no-op without it
 

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vllm_diffusion_plugin import platform
+from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.hsdp import HSDPConfig
-from vllm_diffusion_plugin.report import ComponentReport, LoadReport
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport
 
 logger = init_logger(__name__)
 
@@ -146,8 +146,8 @@ def load_components(
     ``options.hsdp_weight_load`` picks how the ranks get the weights (``distributed_load``); every rank of
     the world must call this with the same arguments.
     """
-    from vllm_diffusion_plugin.distributed_load import check_strategy
-    from vllm_diffusion_plugin.hsdp import build_mesh
+    from vllm_diffusion_plugin.engine.strategies.rank_local import check_strategy
+    from vllm_diffusion_plugin.engine.hsdp import build_mesh
 
     world = World.current()
     report = LoadReport(rank=world.rank, world_size=world.world_size, device=str(device),
@@ -192,7 +192,7 @@ class _LoadStep:
     channel: object = None
 
     def open_channel(self) -> None:
-        from vllm_diffusion_plugin.weight_broadcast import BroadcastChannel
+        from vllm_diffusion_plugin.engine.strategies.broadcast import BroadcastChannel
 
         self.channel = BroadcastChannel(timeout_s=self.options.hsdp_broadcast_timeout_s,
                                         bucket_bytes=self.options.hsdp_broadcast_bucket_mb << 20, device=self.device)
@@ -204,10 +204,10 @@ class _LoadStep:
 
     def load(self, source: ComponentSource, *, is_dit: bool, lora_files: list[tuple[str, float]],
              shard_reports: dict[str, object]) -> nn.Module:
-        from vllm_diffusion_plugin.distributed_load import load_rank_local
-        from vllm_diffusion_plugin.hsdp import apply_hsdp
-        from vllm_diffusion_plugin.postprocess import process_weights_after_loading
-        from vllm_diffusion_plugin.weight_broadcast import load_broadcast
+        from vllm_diffusion_plugin.engine.strategies.rank_local import load_rank_local
+        from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
+        from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
+        from vllm_diffusion_plugin.engine.strategies.broadcast import load_broadcast
 
         report, strategy = self.report, self.report.strategy
         entry = ComponentReport(name=source.name, class_name=str(source.config.get("_class_name", "?")),
@@ -253,10 +253,10 @@ class _LoadStep:
 
     def _load_full(self, source: ComponentSource, lora_files: list[tuple[str, float]]):
         """Build the skeleton on the host, stream every weight into it, fuse LoRA on plain host tensors."""
-        from vllm_diffusion_plugin.distributed_load import ComponentLoad
-        from vllm_diffusion_plugin.lora import fuse_lora_files
-        from vllm_diffusion_plugin.skeleton import build_component
-        from vllm_diffusion_plugin.weights import load_into_module
+        from vllm_diffusion_plugin.engine.strategies.rank_local import ComponentLoad
+        from vllm_diffusion_plugin.engine.lora import fuse_lora_files
+        from vllm_diffusion_plugin.engine.skeleton import build_component
+        from vllm_diffusion_plugin.engine.weights import load_into_module
 
         with self.report.phase("build"):
             module = build_component(source, dtype=self.dtype, device="cpu")
@@ -274,8 +274,8 @@ class _LoadStep:
 def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike) -> list[Path]:
     """Write every loaded component as a diffusers folder ``out_dir/<name>`` holding its final (fused,
     gathered) weights; sharded modules are gathered collectively and written by rank 0."""
-    from vllm_diffusion_plugin.hsdp import gather_full_state_dict
-    from vllm_diffusion_plugin.skeleton import save_component
+    from vllm_diffusion_plugin.engine.hsdp import gather_full_state_dict
+    from vllm_diffusion_plugin.engine.skeleton import save_component
 
     rank = World.current().rank
     written = []

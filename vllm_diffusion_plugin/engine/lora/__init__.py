@@ -8,7 +8,7 @@ or, step by step: ``load_lora`` -> ``normalize_lora`` (validates everything, tou
 ``fuse_lora`` / ``unfuse_lora``.
 """
 
-from vllm_diffusion_plugin.lora.formats import (
+from vllm_diffusion_plugin.engine.lora.formats import (
     LoraDelta,
     LoraFile,
     LoraFormatError,
@@ -22,7 +22,7 @@ from vllm_diffusion_plugin.lora.formats import (
     load_lora_state_dict,
     normalize_lora,
 )
-from vllm_diffusion_plugin.lora.fuse import (
+from vllm_diffusion_plugin.engine.lora.fuse import (
     FuseStats,
     LoraFusionError,
     NonFiniteFusionError,

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import CheckpointError, ComponentSource, is_transformer
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.report import LoadReport
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, is_transformer
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.report import LoadReport
 
 logger = init_logger(__name__)
 
@@ -69,7 +69,7 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
     ``sharded``: whether the DiTs are sharded with HSDP. The checks hold for any world size; with one
     process the answer is ``full`` (there is nobody to send to and nothing to split).
     """
-    from vllm_diffusion_plugin.skeleton import component_class
+    from vllm_diffusion_plugin.engine.skeleton import component_class
 
     if strategy not in STRATEGIES:
         raise StrategyError(f"hsdp_weight_load must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -106,7 +106,7 @@ def normalize_lora_files(module: nn.Module, files: Sequence[tuple[str, float]], 
                          strict: bool) -> list[dict[str, Any]]:
     """Read and validate every LoRA file against ``module`` (a meta skeleton is enough); one delta dict per
     file, fused in this order. Nothing is touched."""
-    from vllm_diffusion_plugin.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
 
     out = []
     for path, scale in files:
@@ -161,8 +161,8 @@ def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
     a row-sized host buffer that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache is
     not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
     """
-    from vllm_diffusion_plugin.checkpoint import read_safetensors_header
-    from vllm_diffusion_plugin.weights import LoadStats
+    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.engine.weights import LoadStats
 
     stats, loaded = LoadStats(), set()
     if sys.byteorder != "little":
@@ -216,7 +216,7 @@ class LocalShards(nn.Module):
 def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int):
     """Fuse LoRA deltas into this rank's rows of ``module``'s (sharded) weights: ``W[rows] += s * B[rows] @ A``
     (and the same rows of bias/full deltas), file after file. Returns the summed ``FuseStats`` or None."""
-    from vllm_diffusion_plugin.lora import LoraDelta, fuse_lora
+    from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 
     modules, params = dict(module.named_modules()), dict(module.named_parameters())
     total = None
@@ -259,9 +259,9 @@ def load_rank_local(source: ComponentSource, *, mesh, hsdp, device: torch.device
     """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA."""
     from torch.distributed.tensor import DTensor
 
-    from vllm_diffusion_plugin.hsdp import apply_hsdp
-    from vllm_diffusion_plugin.skeleton import _fp32_module_names, build_component, component_class, materialize
-    from vllm_diffusion_plugin.weights import WeightLoadError, _validate, strict_check_exemptions
+    from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
+    from vllm_diffusion_plugin.engine.skeleton import _fp32_module_names, build_component, component_class, materialize
+    from vllm_diffusion_plugin.engine.weights import WeightLoadError, _validate, strict_check_exemptions
 
     origin, cls_name = str(source.folder), str(source.config.get("_class_name", "?"))
     with report.phase("build"):

@@ -34,10 +34,10 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import ComponentSource
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.distributed_load import ComponentLoad, DistributedLoadError, normalize_lora_files
-from vllm_diffusion_plugin.report import LoadReport
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.strategies.rank_local import ComponentLoad, DistributedLoadError, normalize_lora_files
+from vllm_diffusion_plugin.engine.report import LoadReport
 
 logger = init_logger(__name__)
 
@@ -247,7 +247,7 @@ class _Sender:
         self.nested = {"lora": 0.0, "broadcast": 0.0}  # seconds spent inside the stream, not reading
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from vllm_diffusion_plugin.weights import iterate_weights
+        from vllm_diffusion_plugin.engine.weights import iterate_weights
 
         self.handshaken = True
         self.channel.handshake(self.what, self.digest, None)
@@ -281,7 +281,7 @@ class _Sender:
         return pack
 
     def _fuse_pending(self) -> None:
-        from vllm_diffusion_plugin.lora import LoraDelta, fuse_lora
+        from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 
         if not self.pending:
             return
@@ -318,8 +318,8 @@ def load_broadcast(source: ComponentSource, *, channel: BroadcastChannel, dtype:
 
     All ranks must call this for the same sources in the same order. Returns the full module on the host.
     """
-    from vllm_diffusion_plugin.skeleton import build_component
-    from vllm_diffusion_plugin.weights import load_into_module
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.weights import load_into_module
 
     what = f"{source.name} ({source.folder})"
     try:

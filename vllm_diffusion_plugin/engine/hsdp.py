@@ -272,7 +272,7 @@ def _prepare_params(model: nn.Module, device: torch.device,
     """Make non-contiguous parameters contiguous; move unshardable ones to ``device`` (FSDP does not move
     ignored parameters; with ``allow_meta`` meta ones stay for the caller's ``to_empty``). Returns
     {unshardable parameter: name} and the names made contiguous."""
-    from vllm_diffusion_plugin.postprocess import move_parameter
+    from vllm_diffusion_plugin.engine.postprocess import move_parameter
 
     ignored: dict[nn.Parameter, str] = {}
     made_contiguous: list[str] = []

@@ -1,0 +1,1 @@
+"""The engine: everything that turns a diffusers checkpoint into loaded (fused, sharded) modules."""
