@@ -142,7 +142,7 @@ def scenarios_worker(rank: int, world_size: int, replicate: int, checkpoint: str
         results["uncovered"] = uncovered_tensor_is_named(checkpoint)
         # rank_local without HSDP on a multi-rank world: an error before any read, on every rank
         from vllm_diffusion_plugin.engine.config import LoadOptions
-        from vllm_diffusion_plugin.engine.strategies.rank_local import StrategyError
+        from vllm_diffusion_plugin.engine.strategies import StrategyError
         from vllm_diffusion_plugin.engine.pipeline import load_components
 
         forbid_weight_reads()
@@ -181,14 +181,16 @@ def small_buckets(rank: int, checkpoint: str, lora: str) -> dict:
     from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.report import LoadReport
+    from vllm_diffusion_plugin.engine.strategies import LoadContext
     from vllm_diffusion_plugin.engine.strategies.broadcast import BroadcastChannel, load_broadcast
 
     channel = BroadcastChannel(timeout_s=60, bucket_bytes=3000, device=torch.device("cpu"))
     try:
         out = {}
         for source in resolve_checkpoint(checkpoint):
-            result = load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(),
-                                    lora_files=[(lora, 1.0)], report=LoadReport())
+            context = LoadContext(options=LoadOptions(), device=torch.device("cpu"), dtype=torch.float32,
+                                  report=LoadReport(), channel=channel)
+            result = load_broadcast(source, context=context, lora_files=[(lora, 1.0)])
             out[source.name] = {k: v.detach().clone() for k, v in result.module.state_dict().items()}
         return out
     finally:
@@ -294,6 +296,7 @@ def victim_worker(rank: int, world_size: int, checkpoint: str, victim: int, mode
     from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.report import LoadReport
+    from vllm_diffusion_plugin.engine.strategies import LoadContext
     from vllm_diffusion_plugin.engine.strategies.broadcast import BroadcastChannel, load_broadcast
 
     if rank == victim:
@@ -312,8 +315,9 @@ def victim_worker(rank: int, world_size: int, checkpoint: str, victim: int, mode
     channel = BroadcastChannel(timeout_s=timeout_s, bucket_bytes=2000, device=torch.device("cpu"))
     started = time.monotonic()
     try:
-        load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(), lora_files=[],
-                       report=LoadReport())
+        context = LoadContext(options=LoadOptions(), device=torch.device("cpu"), dtype=torch.float32,
+                              report=LoadReport(), channel=channel)
+        load_broadcast(source, context=context, lora_files=[])
         outcome = {"error": None}
     except Exception as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}
@@ -421,7 +425,7 @@ def test_strategy_from_env_and_extra_config(monkeypatch):
 def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch):
     from vllm_diffusion_plugin.engine import skeleton
     from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.engine.strategies.rank_local import StrategyError, check_strategy
+    from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
 
     sources = resolve_checkpoint(tiny_wan_dir)
     assert check_strategy("rank_local", sources=sources, world_size=4, sharded=True) == "rank_local"
@@ -448,7 +452,7 @@ def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch
 
 def test_bad_combination_fails_before_any_read(tiny_checkpoint_factory, monkeypatch):
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.strategies.rank_local import StrategyError
+    from vllm_diffusion_plugin.engine.strategies import StrategyError
     from vllm_diffusion_plugin.engine.pipeline import load_components
 
     forbid_weight_reads(monkeypatch)

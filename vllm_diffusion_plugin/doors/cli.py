@@ -80,7 +80,7 @@ def _options(args: argparse.Namespace):
 def _validate(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no weights, in the launching process, before any rank starts."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.engine.strategies.rank_local import check_strategy
+    from vllm_diffusion_plugin.engine.strategies import check_strategy
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
 

@@ -36,7 +36,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         super().__init__(load_config)
         self.options = LoadOptions.from_extra_config(load_config.model_loader_extra_config)
         if self.options.hsdp_weight_load != "full":
-            from vllm_diffusion_plugin.engine.strategies.rank_local import StrategyError
+            from vllm_diffusion_plugin.engine.strategies import StrategyError
 
             raise StrategyError(f"hsdp_weight_load={self.options.hsdp_weight_load!r} is not available in the vLLM "
                                 f"loader (vLLM builds and loads its model on every rank); use 'full', or "

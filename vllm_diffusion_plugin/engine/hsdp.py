@@ -321,7 +321,7 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
 
     Run after LoRA fusion and post-load processing (FSDP2 wants plain, contiguous, materialized tensors).
     ``allow_meta``: accept a skeleton on ``meta`` (the rank-local load: shard first, then ``to_empty`` allocates
-    only the local shards and each rank reads its own rows; see ``distributed_load``).
+    only the local shards and each rank reads its own rows; see ``strategies.rank_local``).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 

@@ -36,8 +36,12 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
 from vllm_diffusion_plugin.engine.config import LoadOptions
-from vllm_diffusion_plugin.engine.strategies.rank_local import ComponentLoad, DistributedLoadError, normalize_lora_files
-from vllm_diffusion_plugin.engine.report import LoadReport
+from vllm_diffusion_plugin.engine.strategies.base import (
+    ComponentLoad,
+    DistributedLoadError,
+    LoadContext,
+    normalize_lora_files,
+)
 
 logger = init_logger(__name__)
 
@@ -311,15 +315,24 @@ def _report_early_failure(channel: BroadcastChannel, what: str, exc: BaseExcepti
         logger.warning("Could not report the failure (%s) to the other ranks: %s", exc, second)
 
 
-def load_broadcast(source: ComponentSource, *, channel: BroadcastChannel, dtype: torch.dtype, options: LoadOptions,
-                   lora_files: Sequence[tuple[str, float]], report: LoadReport,
-                   progress: bool | None = None) -> ComponentLoad:
-    """Load ``source`` on every rank of ``channel``'s world; only rank 0 reads the checkpoint (see module doc).
+def open_channel(options: LoadOptions, device: torch.device) -> BroadcastChannel:
+    """The channel a ``broadcast`` load sends through, sized and timed by ``options``; collective."""
+    return BroadcastChannel(timeout_s=options.hsdp_broadcast_timeout_s,
+                            bucket_bytes=options.hsdp_broadcast_bucket_mb << 20, device=device)
+
+
+def load_broadcast(source: ComponentSource, *, context: LoadContext,
+                   lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
+    """Load ``source`` on every rank of ``context.channel``'s world; only rank 0 reads the checkpoint (see
+    module doc).
 
     All ranks must call this for the same sources in the same order. Returns the full module on the host.
     """
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
+
+    channel, dtype, options = context.channel, context.dtype, context.options
+    report, progress = context.report, context.progress
 
     what = f"{source.name} ({source.folder})"
     try:
