@@ -142,8 +142,8 @@ def scenarios_worker(rank: int, world_size: int, replicate: int, checkpoint: str
         results["uncovered"] = uncovered_tensor_is_named(checkpoint)
         # rank_local without HSDP on a multi-rank world: an error before any read, on every rank
         from vllm_diffusion_plugin.engine.config import LoadOptions
-        from vllm_diffusion_plugin.engine.strategies import StrategyError
         from vllm_diffusion_plugin.engine.pipeline import load_components
+        from vllm_diffusion_plugin.engine.strategies import StrategyError
 
         forbid_weight_reads()
         try:
@@ -452,8 +452,8 @@ def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch
 
 def test_bad_combination_fails_before_any_read(tiny_checkpoint_factory, monkeypatch):
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.strategies import StrategyError
     from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.strategies import StrategyError
 
     forbid_weight_reads(monkeypatch)
     pickled = tiny_checkpoint_factory("wan", safe_serialization=False)
@@ -487,9 +487,9 @@ def test_shard_local_fusion_takes_the_accelerator_for_host_rows_and_moves_only_t
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_local_rows, local_rows
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
     from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_local_rows, local_rows
     from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
 
     model = build_tiny_model("wan")

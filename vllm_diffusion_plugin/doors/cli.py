@@ -80,9 +80,9 @@ def _options(args: argparse.Namespace):
 def _validate(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no weights, in the launching process, before any rank starts."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.engine.strategies import check_strategy
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.strategies import check_strategy
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -129,7 +129,6 @@ def _rank_main(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from vllm_diffusion_plugin import compat
-
     from vllm_diffusion_plugin.engine import platform
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, resolve_target_device, save_components

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig

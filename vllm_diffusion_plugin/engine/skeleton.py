@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
 from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
 
 logger = init_logger(__name__)

@@ -21,7 +21,6 @@ from types import MappingProxyType
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
 
 logger = init_logger(__name__)

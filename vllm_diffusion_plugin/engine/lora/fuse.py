@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
 from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin.engine.lora.normal import LoraDelta, normalize_lora
 from vllm_diffusion_plugin.engine.lora.peft import load_lora

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 import torch
 from vllm_diffusion_plugin._logging import init_logger
-
 from vllm_diffusion_plugin.engine.lora.normal import LoraFormatError
 from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name
 

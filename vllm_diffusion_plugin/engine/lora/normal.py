@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
 from vllm_diffusion_plugin.engine.lora.wan import uses_wan_naming, wan_to_diffusers_name
 
 logger = init_logger(__name__)

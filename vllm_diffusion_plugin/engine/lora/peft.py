@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from vllm_diffusion_plugin._logging import init_logger
-
 from vllm_diffusion_plugin.engine.lora.normal import LoraFile, LoraFormatError, LoraRankError
 
 logger = init_logger(__name__)
