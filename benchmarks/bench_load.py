@@ -58,8 +58,8 @@ def _config(num_layers: int, base: dict) -> dict:
 
 
 def _meta_bytes(num_layers: int, base: dict) -> int:
-    from vllm_diffusion_plugin.checkpoint import ComponentSource
-    from vllm_diffusion_plugin.skeleton import build_component
+    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.skeleton import build_component
 
     src = ComponentSource(name="probe", folder=Path("."), files=(), format="safetensors", index=None,
                           config=MappingProxyType(_config(num_layers, base)))
@@ -68,8 +68,8 @@ def _meta_bytes(num_layers: int, base: dict) -> int:
 
 def ensure_checkpoint(out_dir: Path, size_gb: float, base: dict = WIDE_CONFIG) -> Path:
     """The cached component folder for ``size_gb`` (generated on first use)."""
-    from vllm_diffusion_plugin.checkpoint import ComponentSource
-    from vllm_diffusion_plugin.skeleton import build_component, save_component
+    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.skeleton import build_component, save_component
 
     first, per_layer = _meta_bytes(1, base), _meta_bytes(2, base) - _meta_bytes(1, base)
     num_layers = max(1, math.ceil((size_gb * 1e9 - (first - per_layer)) / per_layer))
@@ -122,7 +122,7 @@ def touch_every_page(module: torch.nn.Module) -> float:
 
 
 def timed(fn, repeats: int, device: torch.device) -> list[float]:
-    from vllm_diffusion_plugin.platform import empty_cache, synchronize
+    from vllm_diffusion_plugin.engine.platform import empty_cache, synchronize
 
     times = []
     for _ in range(repeats):
@@ -145,9 +145,9 @@ def fresh_child(variant: str, folder: Path) -> float:
     import diffusers
     from safetensors.torch import load_file
 
-    from vllm_diffusion_plugin.checkpoint import resolve_component
-    from vllm_diffusion_plugin.skeleton import build_component, component_class
-    from vllm_diffusion_plugin.weights import load_into_module
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.skeleton import build_component, component_class
+    from vllm_diffusion_plugin.engine.weights import load_into_module
 
     source = resolve_component(folder)
     component_class(source), diffusers.WanTransformer3DModel  # diffusers imports its models lazily: not timed
@@ -197,9 +197,9 @@ def main(argv=None) -> dict:
 
     import diffusers
 
-    from vllm_diffusion_plugin.checkpoint import resolve_component
-    from vllm_diffusion_plugin.skeleton import build_component
-    from vllm_diffusion_plugin.weights import load_into_module
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.weights import load_into_module
 
     if args.tiny:
         folder = ensure_checkpoint(args.out_dir, args.size_gb if args.size_gb != 2.0 else 0.01, TINY_CONFIG)

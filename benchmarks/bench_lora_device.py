@@ -47,7 +47,7 @@ def transformer(shapes, device: torch.device, *, divide: int = 1) -> nn.Module:
 
 
 def factors(module: nn.Module, device: torch.device) -> dict:
-    from vllm_diffusion_plugin.lora import LoraDelta
+    from vllm_diffusion_plugin.engine.lora import LoraDelta
 
     gen = torch.Generator().manual_seed(1)
     out = {}
@@ -59,7 +59,7 @@ def factors(module: nn.Module, device: torch.device) -> dict:
 
 
 def timed(fn, device: torch.device, reps: int) -> float:
-    from vllm_diffusion_plugin.platform import synchronize
+    from vllm_diffusion_plugin.engine.platform import synchronize
 
     fn()  # warm-up (kernel selection, allocator)
     synchronize(device)
@@ -80,8 +80,8 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def measure(device: torch.device, shapes, host_fraction: int, reps: int) -> dict:
-    from vllm_diffusion_plugin import platform
-    from vllm_diffusion_plugin.lora import fuse_lora
+    from vllm_diffusion_plugin.engine import platform
+    from vllm_diffusion_plugin.engine.lora import fuse_lora
 
     total_layers = sum(count for *_, count in shapes)
     module = transformer(shapes, device)

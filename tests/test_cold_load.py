@@ -11,12 +11,12 @@ import hashlib
 import torch
 from safetensors.torch import load_file
 
-from vllm_diffusion_plugin.checkpoint import resolve_checkpoint, resolve_component
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.pipeline import LoraSpec, load_components
-from vllm_diffusion_plugin.skeleton import build_component
+from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
-from vllm_diffusion_plugin.weights import load_into_module
+from vllm_diffusion_plugin.engine.weights import load_into_module
 
 
 def digests(files) -> dict:

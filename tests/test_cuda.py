@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora import LoraDelta, fuse_lora
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 from vllm_diffusion_plugin.testing.logs import captured_logs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -95,7 +95,7 @@ def test_a_cuda_oom_mid_call_moves_that_tensor_to_the_cpu_path_once(tf32_off):
     total = torch.cuda.get_device_properties(CUDA).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, (64 << 20) / total), CUDA)  # 64 MiB: the 128 MiB stage fails
     try:
-        with captured_logs("vllm_diffusion_plugin.lora.fuse", logging.WARNING) as logs:
+        with captured_logs("vllm_diffusion_plugin.engine.lora.fuse", logging.WARNING) as logs:
             stats = fuse_lora(model, deltas, chunk_mb=256)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, CUDA)
@@ -148,7 +148,7 @@ def test_seed_bug_3_ours_processes_sharded_cuda_layers_and_keeps_dtensors(nccl_m
     from torch.distributed.tensor import DTensor
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-    from vllm_diffusion_plugin.postprocess import process_weights_after_loading
+    from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
 
     class Doubling(QuantizeMethodBase):
         def __init__(self) -> None:
@@ -187,7 +187,7 @@ def test_seed_bug_2_vllm_online_fp8_straggler_is_finalized_by_vllm_and_processed
 
     from vllm.model_executor.layers.quantization.online import fp8 as online_fp8
 
-    from vllm_diffusion_plugin.postprocess import process_weights_after_loading
+    from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
 
     # The method reads the model dtype from the current vLLM config in __init__; a load has one, a test not.
     config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16))

@@ -18,7 +18,7 @@ HEAVY = ("vllm.model_executor.layers.attention", "vllm.model_executor.layers.qua
 
 PROBE = """
 import json, sys
-from vllm_diffusion_plugin.cli import main
+from vllm_diffusion_plugin.doors.cli import main
 code = main(sys.argv[1:])
 print(json.dumps({"code": code, "modules": sorted(m for m in sys.modules if m.startswith("vllm."))}),
       file=sys.stderr)
