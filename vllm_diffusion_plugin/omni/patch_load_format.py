@@ -146,8 +146,8 @@ def _world_size() -> int:
 def hsdp_parallel_config(parallel_config: Any, options: Any, *, world_size: int) -> Any:
     """vllm-omni's parallel config with HSDP on (see the module docstring for where the sizes come from).
 
-    Returns ``parallel_config`` itself when vllm-omni's own HSDP options are already on, else a copy made
-    with ``dataclasses.replace`` (so vllm-omni's own validation runs on it)."""
+    Returns ``parallel_config`` itself when vllm-omni's own HSDP options are already on, or on one rank with
+    no sizes given, else a copy made with ``dataclasses.replace`` (so vllm-omni's own validation runs on it)."""
     from vllm_diffusion_plugin.hsdp import HSDPConfig
 
     ours = HSDPConfig(replicate_size=options.hsdp_replicate_size, shard_size=options.hsdp_shard_size)
@@ -162,10 +162,12 @@ def hsdp_parallel_config(parallel_config: Any, options: Any, *, world_size: int)
         logger.info("diffusion-hsdp (vllm-omni): HSDP replicate x shard = %d x %d from vllm-omni's options",
                     *omni)
         return parallel_config
+    if world_size == 1 and not given:
+        return parallel_config  # one rank and no sizes anywhere: nothing to shard, vllm-omni's plain path
     replicate, shard = _resolved(ours, world_size).mesh_shape
     enabled = dataclasses.replace(parallel_config, use_hsdp=True, hsdp_replicate_size=replicate,
                                   hsdp_shard_size=shard)
-    logger.info("diffusion-hsdp (vllm-omni): HSDP replicate x shard = %d x %d over %d ranks (diffusion_hsdp options)",
+    logger.info("diffusion-hsdp (vllm-omni): HSDP replicate x shard = %d x %d over %d ranks (our options)",
                 replicate, shard, world_size)
     return enabled
 
