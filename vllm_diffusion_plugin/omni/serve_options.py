@@ -44,12 +44,22 @@ def omni_options(additional_config: Mapping[str, Any] | None, *, origin: str = O
     if not isinstance(raw, Mapping):
         raise TypeError(f"{origin} must be a JSON object of load options, got {type(raw).__name__} {raw!r}")
     options = LoadOptions.from_extra_config(raw, origin=origin)
+    _check_lora_files(options)
     defaults = LoadOptions()
     for key, why in UNSUPPORTED_KEYS.items():
         if getattr(options, key) != getattr(defaults, key):
             raise ValueError(f"{origin} key {key!r} (= {getattr(options, key)!r}) has no effect under vllm-omni: "
                              f"{why}; remove it")
     return options
+
+
+def _check_lora_files(options: Any) -> None:
+    from vllm_diffusion_plugin.pipeline import LoraSpec
+
+    for text in options.lora_path:
+        spec = LoraSpec.parse(text, default_scale=options.lora_scale)
+        if not spec.path.is_file():
+            raise FileNotFoundError(f"lora_path entry {text!r}: LoRA file {spec.path} does not exist")
 
 
 def carried(od_config: Any) -> bool:
