@@ -103,10 +103,15 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
         stage_fields(load_format="auto", additional_config={"diffusion_hsdp": {"lora_scale": 0.5}})
     with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's enable_layerwise_offload"):
         stage_fields(load_format=FLAG, enable_layerwise_offload=True)
-    with pytest.raises(ValueError, match="hsdp_weight_load='full' contradicts vllm-omni's "
-                                         "--enable-broadcast-weight-load"):
-        stage_fields(load_format=FLAG, enable_broadcast_weight_load=True,
-                     additional_config={"diffusion_hsdp": {"hsdp_weight_load": "full"}})
+
+
+def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
+    from vllm_diffusion_plugin.omni.serve_options import omni_options, weight_load_strategy
+
+    assert weight_load_strategy(omni_options({}), {"enable_broadcast_weight_load": True}) == "broadcast"
+    assert weight_load_strategy(omni_options({}), {}) == "full"
+    ours = omni_options({"diffusion_hsdp": {"hsdp_weight_load": "broadcast"}})
+    assert weight_load_strategy(ours, {}) == "broadcast"
 
 
 def test_env_fallbacks_apply_and_the_json_wins(omni, monkeypatch):

@@ -71,17 +71,11 @@ def carried(od_config: Any) -> bool:
 
 
 def weight_load_strategy(options: Any, od_config: Any) -> str:
-    """``full`` or ``broadcast``: ours when given, else vllm-omni's ``enable_broadcast_weight_load``."""
-    from vllm_diffusion_plugin.config import LoadOptions
-
-    omni_broadcast = bool(_get(od_config, "enable_broadcast_weight_load", False))
-    ours = options.hsdp_weight_load
-    if ours != LoadOptions().hsdp_weight_load:
-        if omni_broadcast and ours != "broadcast":
-            raise ValueError(f"{ORIGIN} hsdp_weight_load={ours!r} contradicts vllm-omni's "
-                             f"--enable-broadcast-weight-load; set the strategy in one place")
-        return ours
-    return "broadcast" if omni_broadcast else ours
+    """Ours (``hsdp_weight_load``), except that the default ``full`` gives way to vllm-omni's own
+    ``--enable-broadcast-weight-load`` (which means ``broadcast``)."""
+    if options.hsdp_weight_load == "full" and bool(_get(od_config, "enable_broadcast_weight_load", False)):
+        return "broadcast"
+    return options.hsdp_weight_load
 
 
 def refusals(options: Any, od_config: Any) -> list[str]:
