@@ -164,8 +164,8 @@ def test_extra_config_keys_are_checked_before_any_file_is_read(omni, tiny_wan_di
     args = (str(tiny_wan_dir), "transformer", None, True, None)
     with pytest.raises(ValueError, match="Unknown key.*'hsdp_shards'.*known keys: allow_pickle"):
         omni_loader("diffusion-hsdp", {"hsdp_shards": 2})._prepare_weights(*args)
-    with pytest.raises(ValueError, match="'lora_path'.*no effect.*--lora-path with --lora-backend distill"):
-        omni_loader("diffusion-hsdp", {"lora_path": "x.safetensors"})._prepare_weights(*args)
+    with pytest.raises(ValueError, match="'hsdp_block_pattern'.*no effect under vllm-omni.*_hsdp_shard_conditions"):
+        omni_loader("diffusion-hsdp", {"hsdp_block_pattern": "blocks"})._prepare_weights(*args)
 
 
 def test_other_load_formats_reach_vllm_omni_untouched(omni, tiny_wan_dir):

@@ -103,6 +103,8 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
         stage_fields(load_format="auto", additional_config={"diffusion_hsdp": {"lora_scale": 0.5}})
     with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's enable_layerwise_offload"):
         stage_fields(load_format=FLAG, enable_layerwise_offload=True)
+    with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's --diffusion-load-format diffusers"):
+        stage_fields(load_format=FLAG, diffusion_load_format="diffusers")
 
 
 def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
@@ -264,7 +266,8 @@ def test_wan22_loads_through_our_path_with_one_lora_per_dit(omni_world, wan22, d
         report = [m for m in logs.messages(logging.INFO) if m.startswith(f"diffusion-hsdp load report: component={component} ")]
         assert len(report) == 1, logs.messages
         assert f"bytes_read={sum(t.numel() * t.element_size() for t in base.values())} " in report[0]
-        assert " lora_targets=16 lora_device=cpu " in report[0] and " rank=0 world_size=1 strategy=full " in report[0]
+        assert " lora_targets=16 lora_device=cpu " in report[0]
+        assert " rank=0 world_size=1 strategy=full " in report[0]
     if door == "vllm_omni_distill":
         assert model.lora_is_fused  # vllm-omni's own fusion is skipped: the LoRA is not applied twice
 

@@ -8,14 +8,14 @@ other load format goes to vllm-omni's code untouched:
 
 - ``_prepare_weights``: for ``diffusion-hsdp``, vllm-omni's own code runs as for ``hf`` (index-driven shard
   lists, local folders, hub downloads) on a copy of the load config; pickled ``.bin``/``.pt`` weights are then
-  refused unless the extra-config key ``allow_pickle`` is true.
+  refused unless our option ``allow_pickle`` is true.
 - ``load_model``: for ``diffusion-hsdp``, the loader gets an HSDP-enabled copy of its parallel config before
   vllm-omni's ``load_model`` chooses its path. Sizes: vllm-omni's own ``--use-hsdp`` options when set (sizes
-  given in the extra config must then agree), else ``hsdp_replicate_size``/``hsdp_shard_size`` from
-  our options (``--additional-config diffusion_hsdp``; ``VLLM_DIFFUSION_*`` env fallbacks; ``-1`` = world / R), checked against
-  the torch.distributed world vllm-omni started: R x S must equal it. vllm-omni's own ``apply_hsdp_to_model``
-  shards, following each model's ``_hsdp_shard_conditions``. The copy is the loader's only
-  (``od_config.parallel_config`` is not changed).
+  given in our options must then agree), else ``hsdp_replicate_size``/``hsdp_shard_size`` from our options
+  (``VLLM_DIFFUSION_*`` env fallbacks; ``-1`` = world / R), checked against the torch.distributed world
+  vllm-omni started: R x S must equal it; one rank with no sizes anywhere keeps vllm-omni's plain path.
+  vllm-omni's own ``apply_hsdp_to_model`` shards, following each model's ``_hsdp_shard_conditions``. The copy
+  is the loader's only (``od_config.parallel_config`` is not changed).
 
 Options: ``--additional-config '{"diffusion_hsdp": {...}}'`` under ``vllm serve --omni`` (carried by
 ``patch_serve_flag``), else the load config's extra config; keys with no effect under vllm-omni are refused

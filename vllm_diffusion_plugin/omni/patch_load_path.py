@@ -11,7 +11,7 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
   ``load_format="diffusion-hsdp"`` (so ``patch_load_format``'s HSDP sizing and ``_prepare_weights`` engage);
 - ``load_model``: for our format, before vllm-omni builds anything: options from
   ``--additional-config diffusion_hsdp`` (``serve_options``), combinations we do not carry refused
-  (``serve_options.check_supported``; vllm-omni's ``--diffusion-load-format`` other than ``default``;
+  (``serve_options.check_supported``; vllm-omni's ``--diffusion-load-format diffusers`` / ``dummy``;
   GGUF / torchao / pre-quantized checkpoints); the weight-load strategy (``broadcast``: vllm-omni's
   ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank 0 loads through our path,
   vllm-omni's bucketed broadcast sends the result, the other ranks read nothing); then one INFO line per DiT
@@ -61,6 +61,9 @@ LOAD_WEIGHTS_KWARGS = ("stream_online_quant_to_cpu", "sources", "planned_weights
 HELPERS = ("_get_weight_sources", "_get_expected_parameter_names", "_get_checkpoint_adapter")
 QUANT_SCALE_SUFFIXES = (".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale")
 STATE_ATTR = "_diffusion_hsdp_state"
+CARRIED_PIPELINE_FORMATS = (None, "default", "custom_pipeline")
+"""vllm-omni's own ``--diffusion-load-format`` values whose pipelines declare ``weights_sources`` for us to read
+(a custom pipeline without them is refused by ``load_dits``)."""
 
 
 def apply(module: Any) -> str:
@@ -123,10 +126,10 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     options = omni_load_options(loader)
     od_config = loader.od_config
     check_supported(options, od_config)
-    if load_format not in (None, "default"):
-        raise ValueError(f"--load-format diffusion-hsdp loads vllm-omni's own pipelines; vllm-omni's "
-                         f"--diffusion-load-format {load_format!r} (custom pipelines, the diffusers adapter, "
-                         f"dummy weights) is not carried: drop one of them")
+    if load_format not in CARRIED_PIPELINE_FORMATS:
+        raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
+                         f"vllm-omni's --diffusion-load-format {load_format!r} (the diffusers adapter loads "
+                         f"itself, dummy weights read nothing) is not carried: drop one of them")
     _refuse_checkpoint_quantization(loader.quant_config)
     strategy = weight_load_strategy(options, od_config)
     if bool(getattr(od_config, "enable_broadcast_weight_load", False)) != (strategy == "broadcast"):

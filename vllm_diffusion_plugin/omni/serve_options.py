@@ -93,6 +93,10 @@ def refusals(options: Any, od_config: Any) -> list[str]:
             problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")
     if str(_get(od_config, "host_weight_runtime_mode", "disabled") or "disabled") != "disabled":
         problems.append("vllm-omni's host_weight_runtime_mode (the host weight runtime)")
+    pipeline_format = _get(od_config, "diffusion_load_format", "default") or "default"
+    if pipeline_format in ("diffusers", "dummy"):
+        problems.append(f"vllm-omni's --diffusion-load-format {pipeline_format} (its pipeline reads no DiT "
+                        f"weights through the loader)")
     if _get(od_config, "diffusion_offload_config", None):
         problems.append("vllm-omni's diffusion_offload_config (offload plans)")
     return problems
