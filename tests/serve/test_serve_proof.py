@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -87,11 +88,18 @@ class Proof:
 @pytest.fixture(scope="module")
 def proof(tmp_path_factory) -> Proof:
     root = Path(os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DIR") or tmp_path_factory.mktemp("serve-proof"))
+    # A stage timeout sends SIGTERM: unwind, so that the running server's `finally` stops its process group.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     proof = Proof(root)
     yield proof
+    signal.signal(signal.SIGTERM, previous)
     proof.summary["stage_s"] = round(time.monotonic() - proof.t0, 1)
     sp.write_summary(root / "summary.json", proof.summary)
     print(f"\n[summary] {root / 'summary.json'}\n{json.dumps(proof.summary, indent=1)}", flush=True)
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(f"terminated by signal {signum}")
 
 
 def assert_close_to_reference(proof: Proof, name: str, video: bytes) -> None:
