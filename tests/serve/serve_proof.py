@@ -81,7 +81,7 @@ def _write_peft_lora(transformer: Path, out: Path) -> Path:
                         target_modules=["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"])
     model.add_adapter(config)
     gen = torch.Generator().manual_seed(21)
-    layers = {k: torch.randn(v.shape, generator=gen) * 0.15 for k, v in get_peft_model_state_dict(model).items()}
+    layers = {k: torch.randn(v.shape, generator=gen) * 0.3 for k, v in get_peft_model_state_dict(model).items()}
     WanPipeline.save_lora_weights(out, transformer_lora_layers=layers, transformer_lora_adapter_metadata=config.to_dict())
     return out / "pytorch_lora_weights.safetensors"
 
@@ -101,8 +101,8 @@ def _write_lightx2v_lora(transformer: Path, out: Path) -> Path:
         if not (name.startswith("blocks.") and ".attn" in name or ".ffn." in name or name == "proj_out"):
             continue
         base = f"diffusion_model.{diffusers_to_wan_name(name)}"
-        tensors[f"{base}.lora_down.weight"] = torch.randn(LORA_RANK, module.in_features, generator=gen) * 0.15
-        tensors[f"{base}.lora_up.weight"] = torch.randn(module.out_features, LORA_RANK, generator=gen) * 0.15
+        tensors[f"{base}.lora_down.weight"] = torch.randn(LORA_RANK, module.in_features, generator=gen) * 0.3
+        tensors[f"{base}.lora_up.weight"] = torch.randn(module.out_features, LORA_RANK, generator=gen) * 0.3
         if name == "proj_out":  # diffusers' converter reads no alpha for the head: scale 1 there
             tensors[f"{base}.diff_b"] = torch.randn(module.out_features, generator=gen) * 0.1
         else:
