@@ -317,7 +317,8 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
     return out
 
 
-def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int) -> FuseStats:
+def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
+                  log: bool = True) -> FuseStats:
     """The one loop behind ``fuse_lora`` (sign=+1) and ``unfuse_lora`` (sign=-1)."""
     start = time.perf_counter()
     if chunk_mb <= 0:
@@ -369,15 +370,18 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
                 raise
     stats = FuseStats(used_accel or "cpu", "+".join(sorted(kernels_used)) or None, len(targets), params, fallbacks,
                       time.perf_counter() - start)
-    logger.info("%s %d LoRA targets (%d tensors) of %s: compute %s, cpu kernel %s, %d fallbacks, %.2f s",
+    (logger.info if log else logger.debug)(
+                "%s %d LoRA targets (%d tensors) of %s: compute %s, cpu kernel %s, %d fallbacks, %.2f s",
                 "Fused" if sign > 0 else "Unfused", stats.targets, stats.params, type(module).__name__,
                 stats.compute_device, stats.cpu_kernel, stats.fallbacks, stats.seconds)
     return stats
 
 
-def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
-    """Add every delta to ``module``'s weights in place (see the module doc for the device rule)."""
-    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb)
+def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
+              log: bool = True) -> FuseStats:
+    """Add every delta to ``module``'s weights in place (see the module doc for the device rule).
+    ``log=False``: the summary line goes to DEBUG (callers fusing tensor by tensor log their own)."""
+    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, log=log)
 
 
 def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
