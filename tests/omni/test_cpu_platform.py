@@ -213,16 +213,14 @@ def test_output_thread_packs_without_a_stream(monkeypatch):
     assert _patching.is_patched(patched) and patched.__wrapped__ is original
     assert patch_output_stream.apply(module) == "already applied" and module.WorkerProc._async_output_loop is patched
 
-    video = torch.randn(1, 3, 5, 32, 32)
-
-    class Unpackable:  # pack_diffusion_output_shm raises on it, as on a payload it cannot pack
-        output = property(lambda self: (_ for _ in ()).throw(RuntimeError("boom")))
-
-    stub = worker_stub([(DiffusionOutput(output=video.clone()), "a", None), (Unpackable(), "b", None), None])
+    video = torch.randn(1, 3, 9, 128, 128)  # > 1 MB: travels through shared memory
+    unpackable = DiffusionOutput(output=torch.zeros(2**21, dtype=torch.float8_e4m3fn))  # numpy has no fp8
+    stub = worker_stub([(DiffusionOutput(output=video.clone()), "a", None), (unpackable, "b", None), None])
     assert run_loop(patched, stub) is None
     assert [m.async_output_id for m in stub.sent] == ["a", "b"]
     assert all(m.kind is AsyncOutputKind.OUTPUT_READY for m in stub.sent)
     assert stub.sent[0].error is None and stub.sent[1].error == patch_output_stream.ERROR_TEXT
+    assert isinstance(stub.sent[0].output.output, dict)  # an SHM handle, not the tensor
     torch.testing.assert_close(unpack_diffusion_output_shm(stub.sent[0].output).output, video)
     assert stub._async_output_pending == 0
 
