@@ -290,3 +290,34 @@ def test_a_missing_weight_is_an_error_naming_it(omni_world, wan22, tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"not in the checkpoint: .*transformer_2\.blocks\.1\.attn2\.to_k\.weight"):
         load_wan22(omni_world, root, load_format=FLAG)
+
+
+def test_a_wan_format_lora_with_bias_diffs_fuses_exactly(omni_world, wan22, tmp_path):
+    """Wan/LightX2V naming (``diffusion_model.blocks.N.self_attn.q.lora_down/up``, ``diff_b``) for transformer_2:
+    our formats resolve it against diffusers names, and bias diffs (scaled by @SCALE, as diffusers does) land in
+    the streamed bias tensors."""
+    from safetensors.torch import save_file
+
+    gen, rank, alpha = torch.Generator().manual_seed(7), 4, 8.0
+    base = checkpoint(wan22.root / "transformer_2")
+    lora, expected = {}, {k: v.double() for k, v in base.items()}
+    for block in range(2):
+        for wan, ours in (("self_attn.q", "attn1.to_q"), ("cross_attn.o", "attn2.to_out.0")):
+            weight = base[f"blocks.{block}.{ours}.weight"]
+            down = torch.randn(rank, weight.shape[1], generator=gen) * 0.1
+            up = torch.randn(weight.shape[0], rank, generator=gen) * 0.1
+            diff_b = torch.randn(weight.shape[0], generator=gen) * 0.1
+            key = f"diffusion_model.blocks.{block}.{wan}"
+            lora |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(alpha),
+                     f"{key}.diff_b": diff_b}
+            expected[f"blocks.{block}.{ours}.weight"] += 0.5 * alpha / rank * up.double() @ down.double()
+            expected[f"blocks.{block}.{ours}.bias"] += 0.5 * diff_b.double()  # diff_b scales with @SCALE
+    path = tmp_path / "lightx2v.safetensors"
+    save_file(lora, str(path))
+
+    model, _ = load_wan22(omni_world, wan22.root, load_format=FLAG,
+                          additional_config={"diffusion_hsdp": {"lora_path": [f"transformer_2={path}@0.5"]}})
+    for name, want in expected.items():
+        if name != "scale_shift_table":
+            got = omni_view(model.transformer_2, name, rows=want.shape[0]).double()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)

@@ -61,6 +61,8 @@ class StreamFuser:
     """Fuses LoRA deltas (keyed by checkpoint module names) into checkpoint tensors as they stream past."""
 
     deltas: dict[str, Any]
+    modules: frozenset[str]
+    """Module names of the component's diffusers class (a target not among them is a bare parameter)."""
     dtype: torch.dtype
     chunk_mb: int
     stats: Any = None
@@ -69,9 +71,8 @@ class StreamFuser:
 
     def __post_init__(self) -> None:
         for target, delta in self.deltas.items():
-            if delta.A is not None or delta.full_delta is not None:
-                # a module's weight, or a bare parameter with a full delta (its own name)
-                self._by_tensor[f"{target}.weight" if delta.A is not None else target] = (target, "weight")
+            if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
+                self._by_tensor[f"{target}.weight" if target in self.modules else target] = (target, "weight")
             if delta.bias_delta is not None:
                 self._by_tensor[f"{target}.bias"] = (target, "bias")
 
@@ -125,7 +126,8 @@ def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: t
                 raise ValueError(f"{source.name}: two LoRA files both target {target}; fuse them into one file "
                                  f"or give them to different components")
             deltas[target] = delta
-    return StreamFuser(deltas, dtype=dtype, chunk_mb=chunk_mb)
+    return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
+                       chunk_mb=chunk_mb)
 
 
 @dataclass
