@@ -321,3 +321,13 @@ def test_a_wan_format_lora_with_bias_diffs_fuses_exactly(omni_world, wan22, tmp_
         if name != "scale_shift_table":
             got = omni_view(model.transformer_2, name, rows=want.shape[0]).double()
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_several_loras_for_one_dit_stack(omni_world, wan22):
+    model, _ = load_wan22(omni_world, wan22.root, load_format=FLAG, additional_config={"diffusion_hsdp": {
+        "lora_path": [f"transformer={wan22.high}", f"transformer={wan22.high}@0.5"]}})
+    expected = reference(checkpoint(wan22.root / "transformer"), wan22.high, 1.5)
+    for name, want in expected.items():
+        if name != "scale_shift_table":
+            got = omni_view(model.transformer, name, rows=want.shape[0]).double()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)

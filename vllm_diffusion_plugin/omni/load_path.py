@@ -58,41 +58,44 @@ class ComponentLoadReport:
 
 @dataclass
 class StreamFuser:
-    """Fuses LoRA deltas (keyed by checkpoint module names) into checkpoint tensors as they stream past."""
+    """Fuses LoRA deltas (keyed by checkpoint module names) into checkpoint tensors as they stream past.
 
-    deltas: dict[str, Any]
+    ``deltas`` holds one mapping per LoRA file, applied in order (several files for one DiT stack, as in
+    ``lora.fuse_lora_files``). A targeted tensor is copied before it is changed (never the reader's buffer)."""
+
+    deltas: list[dict[str, Any]]
     modules: frozenset[str]
     """Module names of the component's diffusers class (a target not among them is a bare parameter)."""
     dtype: torch.dtype
     chunk_mb: int
     stats: Any = None
     seconds: float = 0.0
-    _by_tensor: dict[str, tuple[str, str]] = field(default_factory=dict)
+    _by_tensor: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for target, delta in self.deltas.items():
-            if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
-                self._by_tensor[f"{target}.weight" if target in self.modules else target] = (target, "weight")
-            if delta.bias_delta is not None:
-                self._by_tensor[f"{target}.bias"] = (target, "bias")
+        for per_file in self.deltas:
+            for target, delta in per_file.items():
+                if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
+                    name = f"{target}.weight" if target in self.modules else target
+                    self._by_tensor.setdefault(name, []).append((delta, "weight"))
+                if delta.bias_delta is not None:
+                    self._by_tensor.setdefault(f"{target}.bias", []).append((delta, "bias"))
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        hit = self._by_tensor.pop(name, None)
-        if hit is None:
+        hits = self._by_tensor.pop(name, None)
+        if hits is None:
             return tensor
         from vllm_diffusion_plugin.lora.formats import LoraDelta
         from vllm_diffusion_plugin.lora.fuse import fuse_lora
 
         start = time.perf_counter()
-        target, part = hit
-        delta = self.deltas[target]
-        if tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)  # fuse at the model's precision, as a fusion into the module would
-        tensor = tensor.clone() if not tensor.is_contiguous() else tensor
-        if part == "bias":
-            with torch.no_grad():
-                tensor.add_(delta.bias_delta.to(tensor.dtype))
-        else:
+        # the model's precision when floating (as a fusion into the module would), and always a private copy
+        tensor = tensor.to(self.dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+        for delta, part in hits:
+            if part == "bias":
+                with torch.no_grad():
+                    tensor.add_(delta.bias_delta.to(tensor.dtype))
+                continue
             holder = nn.Module()
             holder.weight = nn.Parameter(tensor, requires_grad=False)
             stats = fuse_lora(holder, {"": LoraDelta(delta.A, delta.B, delta.scale, None, delta.full_delta,
@@ -117,15 +120,11 @@ def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: t
     from vllm_diffusion_plugin.skeleton import build_component
 
     skeleton = build_component(source, dtype=dtype, device="meta")
-    deltas: dict[str, Any] = {}
+    deltas = []
     for path, scale in lora_files:
         lora = load_lora(path)
-        for target, delta in normalize_lora(lora.state_dict, skeleton, scale=scale, strict=strict,
-                                            adapter_config=lora.adapter_config).items():
-            if target in deltas:
-                raise ValueError(f"{source.name}: two LoRA files both target {target}; fuse them into one file "
-                                 f"or give them to different components")
-            deltas[target] = delta
+        deltas.append(normalize_lora(lora.state_dict, skeleton, scale=scale, strict=strict,
+                                     adapter_config=lora.adapter_config))
     return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
                        chunk_mb=chunk_mb)
 
