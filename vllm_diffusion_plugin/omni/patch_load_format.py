@@ -51,6 +51,7 @@ PREPARE_PARAMS = ("self", "model_name_or_path", "subfolder", "revision", "fall_b
                   "allow_patterns_overrides")
 LOAD_MODEL_PARAMS = ("self", "load_device", "load_format", "custom_pipeline_name", "device")
 
+
 def apply(module: Any) -> str:
     where = f"{module.__name__}.DiffusersPipelineLoader"
     cls = require_attr(module, "DiffusersPipelineLoader", module.__name__)
