@@ -1,4 +1,4 @@
-"""The CPU platform for vllm-omni (``vllm_diffusion_plugin.omni.cpu``) against the real vllm-omni: the env gate
+"""The CPU platform for vllm-omni (``vllm_diffusion_plugin.doors.omni.cpu``) against the real vllm-omni: the env gate
 through vllm-omni's own platform resolution, device count, memory figures, attention backend selection and
 numerics, and the output-thread unit. (Real servers at 1 and 2 ranks: tests/serve.)
 """
@@ -20,13 +20,13 @@ import pytest
 import torch
 from omni_support import import_omni
 
-from vllm_diffusion_plugin.omni import _patching
-from vllm_diffusion_plugin.omni.cpu import PLATFORM, platform_plugin
+from vllm_diffusion_plugin.doors.omni import _patching
+from vllm_diffusion_plugin.doors.omni.cpu import PLATFORM, platform_plugin
 
 import_omni()  # skips this module where vllm-omni is not installed
 
-from vllm_diffusion_plugin.omni.cpu import patch_output_stream  # noqa: E402  (imports nothing of vllm-omni)
-from vllm_diffusion_plugin.omni.cpu.platform import (  # noqa: E402
+from vllm_diffusion_plugin.doors.omni.cpu import patch_output_stream  # noqa: E402  (imports nothing of vllm-omni)
+from vllm_diffusion_plugin.doors.omni.cpu.platform import (  # noqa: E402
     ATTENTION_BACKEND,
     CpuOmniPlatform,
     peak_rss_bytes,
@@ -65,7 +65,7 @@ def test_entry_point_refuses_a_bad_switch_value(monkeypatch):
 
 def test_entry_point_is_installed_in_vllm_omnis_group():
     points = importlib.metadata.entry_points(group="vllm_omni.platform_plugins")
-    ours = [p for p in points if p.value == "vllm_diffusion_plugin.omni.cpu:platform_plugin"]
+    ours = [p for p in points if p.value == "vllm_diffusion_plugin.doors.omni.cpu:platform_plugin"]
     assert ours, f"no vllm_omni.platform_plugins entry point of this package among {list(points)}"
 
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from omni_support import captured_logs, import_omni
 
-from vllm_diffusion_plugin.omni import _patching, patch_serve_flag
+from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
 from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
@@ -108,7 +108,7 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
 
 
 def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
-    from vllm_diffusion_plugin.omni.serve_options import omni_options, weight_load_strategy
+    from vllm_diffusion_plugin.doors.omni.serve_options import omni_options, weight_load_strategy
 
     assert weight_load_strategy(omni_options({}), {"enable_broadcast_weight_load": True}) == "broadcast"
     assert weight_load_strategy(omni_options({}), {}) == "full"
@@ -117,7 +117,7 @@ def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
 
 
 def test_env_fallbacks_apply_and_the_json_wins(omni, monkeypatch):
-    from vllm_diffusion_plugin.omni.serve_options import omni_options
+    from vllm_diffusion_plugin.doors.omni.serve_options import omni_options
 
     monkeypatch.setenv("VLLM_DIFFUSION_LORA_SCALE", "0.25")
     monkeypatch.setenv("VLLM_DIFFUSION_HSDP_WEIGHT_LOAD", "broadcast")
@@ -202,7 +202,7 @@ def load_wan22(world, root: Path, **fields):
     od_config = OmniDiffusionConfig(**stage_fields(model=str(root), model_class_name="WanPipeline", **fields))
     loader = runner_loader(od_config)
     with set_forward_context(vllm_config=world, omni_diffusion_config=od_config), \
-            captured_logs("vllm_diffusion_plugin.omni.patch_load_path", logging.INFO) as logs:
+            captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
         model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
     return model, logs
 

@@ -31,7 +31,7 @@ VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height":
               "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",
               "boundary_ratio": "0.875", "seed": "1234", "fps": "8"}
 REPORT_PREFIX = "diffusion-hsdp load report:"
-"""The INFO line our load path writes per DiT component and rank (vllm_diffusion_plugin.omni.load_path)."""
+"""The INFO line our load path writes per DiT component and rank (vllm_diffusion_plugin.doors.omni.load_path)."""
 LORA_RANK, LORA_ALPHA = 4, 8.0
 
 
@@ -90,7 +90,7 @@ def _write_lightx2v_lora(transformer: Path, out: Path) -> Path:
     """Keys in original Wan naming for every attention/FFN linear and the head (with a bias delta)."""
     from safetensors.torch import save_file
 
-    from vllm_diffusion_plugin.lora.formats import diffusers_to_wan_name
+    from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name
 
     model = _load_dit(transformer)
     gen = torch.Generator().manual_seed(22)
@@ -320,7 +320,7 @@ _FIELD = re.compile(r"(\w+)=(\S+)")
 
 def load_reports(log_text: str) -> list[dict[str, str]]:
     """Every ``diffusion-hsdp load report: key=value ...`` line of a server log, as a dict per line (the line's
-    format lives in ``vllm_diffusion_plugin.omni.load_path``; adapt :data:`REPORT_PREFIX` here if it moves)."""
+    format lives in ``vllm_diffusion_plugin.doors.omni.load_path``; adapt :data:`REPORT_PREFIX` here if it moves)."""
     reports = []
     for line in log_text.splitlines():
         _, sep, rest = line.partition(REPORT_PREFIX)

@@ -1,0 +1,139 @@
+"""The ``diffusion-hsdp`` vLLM model loader: vLLM's front door to the plugin's load path.
+
+Registered by ``register()`` when the plugin is enabled; selected with
+``vllm serve MODEL --load-format diffusion-hsdp --model-loader-extra-config '{...}'``.
+
+``load_model`` is vLLM's template with the plugin's steps::
+
+    build the model (vLLM's initialize_model) -> stream weights through model.load_weights (strict check)
+      -> fuse LoRA (packed_modules_mapping) -> online-quant finalize + HSDP-aware post-processing
+      -> shard with HSDP (only when the model declares shard conditions or hsdp_block_pattern is set) -> eval
+
+Options are parsed (and rejected) in ``__init__``, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+
+from vllm_diffusion_plugin import compat
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, resolve_checkpoint
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+
+logger = init_logger(__name__)
+
+
+class DiffusionHSDPLoader(compat.base_model_loader()):
+    """Streams an HF / diffusers checkpoint folder into the model vLLM builds, through the plugin's steps."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        self.options = LoadOptions.from_extra_config(load_config.model_loader_extra_config)
+        if self.options.hsdp_weight_load != "full":
+            from vllm_diffusion_plugin.engine.strategies import StrategyError
+
+            raise StrategyError(f"hsdp_weight_load={self.options.hsdp_weight_load!r} is not available in the vLLM "
+                                f"loader (vLLM builds and loads its model on every rank); use 'full', or "
+                                f"`vllm-diffusion load --hsdp-weight-load` for diffusers checkpoints")
+        self.lora_specs = [LoraSpec.parse(text, default_scale=self.options.lora_scale)
+                           for text in self.options.lora_path]
+        for spec in self.lora_specs:
+            if spec.component is not None:
+                raise ValueError(f"lora_path entry {spec.component}={spec.path}: vLLM loads one model, "
+                                 f"components cannot be named here")
+            if not spec.path.exists():
+                raise FileNotFoundError(f"lora_path {spec.path} does not exist")
+
+    # ---- BaseModelLoader API --------------------------------------------------------------------------
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._source(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Stream the checkpoint through ``model.load_weights`` (vLLM's stacked-parameter mapping applies),
+        check every parameter was loaded, then fuse the configured LoRA files."""
+        from vllm_diffusion_plugin.engine.weights import load_into_module
+
+        source = self._source(model_config)
+        result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected)
+        logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
+                    result.bytes_read / 1e6, source.folder, result.seconds)
+        if self.lora_specs:
+            self._fuse_loras(model)
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
+
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        target_device = torch.device(load_device)
+        with set_default_torch_dtype(model_config.dtype), target_device:
+            model = compat.initialize_model()(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        self.load_weights(model, model_config)
+        retie = compat.maybe_retie_word_embeddings()
+        if retie is not None:
+            retie(model, model_config)
+        process_weights_after_loading(model, target_device, model_config)
+        self._maybe_shard(model, target_device)
+        return model.eval()
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def _source(self, model_config: ModelConfig) -> ComponentSource:
+        sources = resolve_checkpoint(model_config.model, revision=model_config.revision,
+                                     allow_pickle=self.options.allow_pickle)
+        if len(sources) != 1:
+            raise ValueError(f"{model_config.model} resolves to {len(sources)} components "
+                             f"({', '.join(s.name for s in sources)}); vLLM loads one model folder")
+        return sources[0]
+
+    def _fuse_loras(self, model: nn.Module) -> None:
+        from vllm_diffusion_plugin.engine.lora import fuse_lora_files
+
+        _check_lora_fusable(model)
+        stats = fuse_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
+                                strict=self.options.lora_strict, chunk_mb=self.options.lora_device_chunk_mb,
+                                packed_modules=getattr(model, "packed_modules_mapping", None))
+        logger.info("Fused %d LoRA file(s) into %s: %d targets, compute device %s, %d fallback(s)",
+                    len(self.lora_specs), type(model).__name__, stats.targets, stats.compute_device,
+                    stats.fallbacks)
+
+    def _maybe_shard(self, model: nn.Module, target_device: torch.device) -> None:
+        from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
+
+        declared = getattr(model, "_hsdp_shard_conditions", None)
+        if not declared and not self.options.hsdp_block_pattern:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("HSDP was requested but torch.distributed is not initialized")
+        config = HSDPConfig(replicate_size=self.options.hsdp_replicate_size,
+                            shard_size=self.options.hsdp_shard_size)
+        mesh = build_mesh(config, device_type=target_device.type)
+        report = apply_hsdp(model, mesh=mesh, config=config, pattern=self.options.hsdp_block_pattern)
+        logger.info("HSDP: sharded %d blocks of %s (%s); this rank holds %.1f MB of %.1f MB parameters",
+                    len(report.blocks), type(model).__name__, report.source, report.local_bytes / 1e6,
+                    report.total_bytes / 1e6)
+
+
+def _check_lora_fusable(model: nn.Module) -> None:
+    """LoRA is fused into full, unquantized weights on one rank; refuse what would fuse wrongly."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    base = compat.quantize_method_base()
+    # vLLM's plain layers carry Unquantized{Linear,Embedding,FusedMoE}Method; anything else quantizes.
+    quantized = [name for name, m in model.named_modules()
+                 if isinstance(getattr(m, "quant_method", None), base)
+                 and not type(m.quant_method).__name__.startswith("Unquantized")]
+    if quantized:
+        raise ValueError(f"lora_path: fusing a LoRA into quantized layers ({', '.join(quantized[:3])}, ...) is "
+                         f"not supported; load the unquantized checkpoint (online quantization quantizes "
+                         f"weights as they load, before a LoRA could be fused)")
+    tp = get_tensor_model_parallel_world_size()
+    if tp > 1:
+        raise ValueError(f"lora_path with tensor_parallel_size {tp} is not supported: the LoRA would be fused "
+                         f"into each rank's slice of packed weights; use tensor_parallel_size 1 or HSDP")

@@ -1,0 +1,143 @@
+"""Load options: one frozen dataclass built from ``--model-loader-extra-config`` with env fallbacks.
+
+Precedence per key: the extra-config JSON, then its ``VLLM_DIFFUSION_*`` variable (see ``envs.py``), then the
+default below. Unknown keys and wrong types are errors that name the key and list what is accepted, raised
+before any weight is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_diffusion_plugin import envs
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """Options of the ``diffusion-hsdp`` load path (extra-config keys are the field names)."""
+
+    lora_path: tuple[str, ...] = ()
+    """LoRA files fused at load. Several files: each applies to the transformer at the same position
+    (Wan2.2 A14B: one file for ``transformer``, one for ``transformer_2``) when there are as many files as
+    transformers, else every file applies to every transformer."""
+    lora_scale: float = 1.0
+    """Multiplier on every LoRA delta, on top of its own alpha / rank."""
+    lora_strict: bool = True
+    """A LoRA key that matches no module is an error (else a warning)."""
+    lora_device_chunk_mb: int = 256
+    """Bound on the weight rows staged on the accelerator at once while fusing CPU-resident weights."""
+    hsdp_shard_size: int = -1
+    """HSDP shard group size S; -1 = world size / replicate size."""
+    hsdp_replicate_size: int = 1
+    """HSDP replicate group size R."""
+    hsdp_block_pattern: str | None = None
+    """Regex over module names choosing the blocks to shard (vLLM door: HSDP only when this is set or the
+    model declares ``_hsdp_shard_conditions``)."""
+    hsdp_weight_load: str = "full"
+    """How the ranks get their weights: ``full`` (each reads everything, then shards), ``broadcast`` (rank 0
+    reads once and sends bounded buckets; the others read nothing) or ``rank_local`` (the DiTs are sharded on
+    ``meta`` first and each rank reads only its own rows). See ``engine.strategies``."""
+    hsdp_broadcast_bucket_mb: int = 256
+    """Upper bound (MiB) on one broadcast bucket (``broadcast``); tensors are sent in single-dtype buckets."""
+    hsdp_broadcast_timeout_s: float = 300.0
+    """Seconds any rank waits for one broadcast collective before failing (a peer died or stalled)."""
+    allow_pickle: bool = False
+    """Accept .bin/.pt checkpoints (``torch.load(weights_only=True)``) when no safetensors exist."""
+    strict_unexpected: bool = False
+    """Checkpoint keys that match no parameter are an error (else a warning listing them)."""
+
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Keys another vLLM component put into the extra config for its own use (e.g. ``is_draft``)."""
+
+    @classmethod
+    def from_extra_config(cls, extra_config: Mapping[str, Any] | None, *,
+                          origin: str = "--model-loader-extra-config") -> LoadOptions:
+        """Options from ``extra_config`` with env fallbacks; ``origin`` names where the keys came from in errors
+        (vllm-omni's door: ``--additional-config diffusion_hsdp``)."""
+        extra_config = dict(extra_config or {})
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        passthrough = {k: extra_config.pop(k) for k in _VLLM_OWNED_KEYS if k in extra_config}
+        unknown = sorted(set(extra_config) - set(known))
+        if unknown:
+            raise ValueError(
+                f"Unknown key(s) {', '.join(map(repr, unknown))} in {origin} for load "
+                f"format `diffusion-hsdp`; known keys: {', '.join(sorted(known))}"
+            )
+        env_for_key = envs.by_extra_config_key()
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if name in extra_config:
+                values[name] = _coerce(name, extra_config[name], f.type, origin)
+            elif name in env_for_key and envs.is_set(env_for_key[name].name):
+                values[name] = _coerce(name, envs.get(env_for_key[name].name), f.type, env_for_key[name].name)
+        options = cls(**values, extra=passthrough)
+        options.validate()
+        return options
+
+    def validate(self) -> None:
+        if self.lora_device_chunk_mb <= 0:
+            raise ValueError(f"lora_device_chunk_mb must be positive, got {self.lora_device_chunk_mb}")
+        if self.hsdp_replicate_size <= 0:
+            raise ValueError(f"hsdp_replicate_size must be positive, got {self.hsdp_replicate_size}")
+        if self.hsdp_shard_size == 0 or self.hsdp_shard_size < -1:
+            raise ValueError(f"hsdp_shard_size must be positive or -1, got {self.hsdp_shard_size}")
+        if self.hsdp_weight_load not in WEIGHT_LOAD_STRATEGIES:
+            raise ValueError(f"hsdp_weight_load must be one of {', '.join(WEIGHT_LOAD_STRATEGIES)}, "
+                             f"got {self.hsdp_weight_load!r}")
+        if self.hsdp_broadcast_bucket_mb <= 0:
+            raise ValueError(f"hsdp_broadcast_bucket_mb must be positive, got {self.hsdp_broadcast_bucket_mb}")
+        if not self.hsdp_broadcast_timeout_s > 0:
+            raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
+
+
+WEIGHT_LOAD_STRATEGIES = ("full", "broadcast", "rank_local")
+"""Values of ``hsdp_weight_load`` (``strategies.STRATEGIES``; kept here so this module stays light)."""
+
+_VLLM_OWNED_KEYS = ("is_draft",)
+"""Keys vLLM itself adds to a loader's extra config; accepted and passed through untouched."""
+
+_TYPE_NAMES = {
+    "tuple[str, ...]": "a string or a list of strings",
+    "float": "a number",
+    "bool": "a boolean",
+    "int": "an integer",
+    "str | None": "a string",
+    "str": "a string",
+}
+
+
+def _coerce(key: str, value: Any, type_name: str, origin: str) -> Any:
+    def bad() -> TypeError:
+        return TypeError(f"{origin} key {key!r} must be {_TYPE_NAMES[type_name]}, "
+                         f"got {type(value).__name__} {value!r}")
+
+    if type_name == "tuple[str, ...]":
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise bad()
+    if type_name == "bool":
+        if isinstance(value, bool):
+            return value
+        raise bad()
+    if type_name == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad()
+    if type_name == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad()
+    if type_name == "str":
+        if isinstance(value, str):
+            return value
+        raise bad()
+    if type_name == "str | None":
+        if value is None or isinstance(value, str):
+            return value
+        raise bad()
+    raise AssertionError(f"no coercion for {type_name}")  # a field was added without a rule

@@ -1,0 +1,418 @@
+"""Fusing normalized LoRA deltas into a module's weights: the device rule, the fast CPU path, integrity.
+
+Device rule (DESIGN.md fix #1). ``resolve_compute_device()`` is called once per ``fuse_lora`` /
+``unfuse_lora`` call, outside the per-parameter loop. Per weight:
+
+- on an accelerator already -> fused there, in row chunks;
+- on the CPU with a usable accelerator (the probe allocation succeeded) -> ``A`` and ``B`` go to the device
+  once, weight rows go there in chunks of at most ``chunk_mb`` MiB, are fused in fp32 there, checked, and
+  copied back into the CPU weight in place (no full-size delta ever reaches the host);
+- else on the CPU.
+
+An H2D copy or device matmul failure (OOM, driver error) falls back to the CPU path for that tensor, from
+its first row not yet written back (chunks are written only after they were fully computed), with one
+warning per call. Never a crash, never a wrong result.
+
+CPU rule (``cpu_kernel(dtype)``). A bf16/fp16 GEMM on a CPU without fast low-precision kernels takes
+seconds per 5120^2 layer (the 22 min per Wan2.2 transformer seen on a Kunpeng host), so:
+
+- ``"native"``: in-place ``W.addmm_(B, A, alpha=s)`` in the weight's dtype, row chunk by row chunk, when
+  oneDNN is available and enabled *and* a one-time micro-probe (cached per process, per dtype and oneDNN
+  state) shows that dtype's GEMM within 2x of the fp32 one; used only when ``A``/``B`` share the weight's
+  dtype and ``|s| * r * max|A| * max|B|`` cannot overflow it;
+- ``"fp32-chunks"`` otherwise: rows upcast into one reused fp32 buffer, ``addmm_`` there, checked, written
+  back (no fresh full-size temporaries; buffers are reused across the weights of a call).
+
+Integrity: every chunk is checked for NaN/inf; a non-finite result raises ``NonFiniteFusionError`` naming the
+module before it is written where the path allows, and ``PartiallyFusedError`` (the load must be aborted)
+once any weight of the call was modified.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora.normal import LoraDelta, normalize_lora
+from vllm_diffusion_plugin.engine.lora.peft import load_lora
+
+logger = init_logger(__name__)
+
+__all__ = ["FuseStats", "LoraFusionError", "NonFiniteFusionError", "PartiallyFusedError", "cpu_kernel",
+           "fuse_lora", "fuse_lora_files", "fuse_weight_", "resolve_compute_device", "unfuse_lora"]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_CPU_CHUNK_BYTES = 5 << 20  # fp32 rows per CPU chunk: ~5 MiB stays cache-resident between addmm_ and check
+
+
+class LoraFusionError(RuntimeError):
+    """Fusion failed before any weight of this call was modified."""
+
+
+class NonFiniteFusionError(LoraFusionError):
+    """A fused weight would hold NaN or inf."""
+
+
+class PartiallyFusedError(LoraFusionError):
+    """Fusion failed after some weights were modified: the module is partially fused; abort the load."""
+
+
+class _DeviceFailure(Exception):
+    """The accelerator failed (H2D copy or matmul) for one CPU weight; ``rows_done`` rows were written back."""
+
+    def __init__(self, rows_done: int, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.rows_done, self.cause = rows_done, cause
+
+
+@dataclass(frozen=True)
+class FuseStats:
+    """What one fuse/unfuse did.
+
+    ``compute_device``: the accelerator used for at least one weight, else ``"cpu"``. ``cpu_kernel``: the
+    CPU rule's choices when any weight was fused on the CPU (``"native"``, ``"fp32-chunks"``, joined by ``+``
+    when both were used), else None.
+    ``targets``: LoRA targets (file keys grouped per module) applied; ``params``: tensors modified;
+    ``fallbacks``: weights moved to the CPU path after an accelerator failure.
+    """
+
+    compute_device: str
+    cpu_kernel: str | None
+    targets: int
+    params: int
+    fallbacks: int
+    seconds: float
+
+    def __add__(self, other: FuseStats) -> FuseStats:
+        accel = self.compute_device if self.compute_device != "cpu" else other.compute_device
+        return FuseStats(accel, self.cpu_kernel or other.cpu_kernel, self.targets + other.targets,
+                         self.params + other.params, self.fallbacks + other.fallbacks, self.seconds + other.seconds)
+
+
+def resolve_compute_device() -> torch.device | None:
+    """The local accelerator if a probe allocation on it succeeds, else None (compute on the CPU).
+
+    A lookup alone proves nothing (``cuda:N`` is named even without a GPU), hence ``usable_device``.
+    """
+    device = platform.local_device()
+    if device.type == "cpu":
+        return None
+    return platform.usable_device(device)
+
+
+# ---- CPU kernel choice ---------------------------------------------------------------------------------
+_FAST_LOWP: dict[tuple[torch.dtype, bool], bool] = {}
+
+
+def _lowp_gemm_is_fast(dtype: torch.dtype) -> tuple[bool, float, float]:
+    """One-thread micro-probe: ``(fast, best ms in dtype, best ms in fp32)`` for ``C(256x1024) += B(256x64) @ A``.
+
+    One thread, best of several runs, so other processes on the host barely move the ratio; a slow
+    (scalar) kernel is 50-300x slower than fp32, a fast one is faster than fp32, hence the 2x threshold.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        operands = [torch.randn(shape, generator=gen) for shape in ((256, 1024), (256, 64), (64, 1024))]
+
+        def best_ms(dt: torch.dtype, reps: int, give_up: float = math.inf) -> float:
+            c, b, a = (t.to(dt) for t in operands)
+            c.addmm_(b, a, alpha=1e-3)  # warm-up: oneDNN primitive creation
+            best = math.inf
+            for _ in range(reps):
+                start = time.perf_counter()
+                c.addmm_(b, a, alpha=1e-3)
+                best = min(best, (time.perf_counter() - start) * 1e3)
+                if best > give_up:
+                    break
+            return best
+
+        fp32 = best_ms(torch.float32, 5)
+        low = best_ms(dtype, 5, give_up=20 * fp32)
+    finally:
+        torch.set_num_threads(threads)
+    return low <= 2.0 * fp32, low, fp32
+
+
+def cpu_kernel(dtype: torch.dtype) -> str:
+    """``"native"`` when in-place GEMM in ``dtype`` is fast on this CPU, else ``"fp32-chunks"`` (see module doc)."""
+    if dtype not in _LOW_PRECISION:
+        return "fp32-chunks"
+    onednn = bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+    key = (dtype, onednn)
+    if key not in _FAST_LOWP:
+        fast = False
+        if onednn:
+            fast, low, fp32 = _lowp_gemm_is_fast(dtype)
+            logger.info("CPU %s GEMM probe: %.3f ms vs fp32 %.3f ms -> LoRA CPU kernel %s", dtype, low, fp32,
+                        "native" if fast else "fp32-chunks")
+        _FAST_LOWP[key] = fast
+    return "native" if _FAST_LOWP[key] else "fp32-chunks"
+
+
+# ---- one weight --------------------------------------------------------------------------------------------
+@dataclass
+class _Workspace:
+    """Buffers reused across the weights of one call (no full-size temporaries per layer)."""
+
+    buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, n: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < n * cols:
+            buf = self.buffers[dtype] = torch.empty(n * cols, dtype=dtype)
+        return buf[: n * cols].view(n, cols)
+
+
+def _finite(t: torch.Tensor, dst_dtype: torch.dtype) -> bool:
+    """Whether ``t`` is finite and fits ``dst_dtype``; one reduction, exact."""
+    low, high = torch.aminmax(t)
+    low, high = float(low), float(high)  # NaN propagates through aminmax
+    limit = torch.finfo(dst_dtype).max
+    return -limit <= low and high <= limit
+
+
+def _overflow_safe(delta: LoraDelta, dtype: torch.dtype) -> bool:
+    bound = abs(delta.scale) * delta.rank * float(delta.A.abs().max()) * float(delta.B.abs().max())
+    return bound < torch.finfo(dtype).max / 2
+
+
+def fuse_weight_(
+    weight: torch.Tensor,
+    delta: LoraDelta,
+    *,
+    sign: int,
+    compute_device: torch.device | None,
+    chunk_rows: int,
+    name: str = "",
+    row_start: int = 0,
+    workspace: _Workspace | None = None,
+) -> str:
+    """``weight[row_start:] += sign * delta.scale * B @ A`` in place, in row chunks; returns the kernel used.
+
+    ``compute_device``: where the matmul runs -- the weight's own device, or an accelerator for a CPU
+    weight, or None for the CPU path. Raises ``_DeviceFailure`` when the accelerator fails for a CPU weight
+    (nothing half-written: ``rows_done`` rows were written back), ``NonFiniteFusionError`` before writing a
+    non-finite chunk, ``PartiallyFusedError`` when this weight was partly written and cannot be completed.
+    """
+    alpha = sign * delta.scale
+    rows = weight.shape[0]
+    if compute_device is not None and compute_device.type != "cpu":
+        return _fuse_on_device(weight, delta, alpha, compute_device, chunk_rows, name, row_start)
+    workspace = workspace or _Workspace()
+    kernel = cpu_kernel(weight.dtype)
+    same_dtype = delta.A.dtype == delta.B.dtype == weight.dtype
+    if kernel == "native" and not (same_dtype and _overflow_safe(delta, weight.dtype)):
+        kernel = "fp32-chunks"  # exactness first: mixed dtypes or a possible overflow use the checked path
+    if kernel == "native":
+        for r0 in range(row_start, rows, chunk_rows):
+            r1 = min(rows, r0 + chunk_rows)
+            chunk = weight[r0:r1]
+            chunk.addmm_(delta.B[r0:r1], delta.A, alpha=alpha)
+            if not _finite(chunk, weight.dtype):  # A, B, s finite and bounded: the base rows were not finite
+                raise PartiallyFusedError(f"{name}.weight rows {r0}:{r1} are NaN/inf after fusing (is the base "
+                                          f"weight finite?); the module is partially fused, abort the load")
+        return kernel
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    a, b = delta.A.to(compute), delta.B.to(compute)
+    step = max(1, min(chunk_rows, _CPU_CHUNK_BYTES // max(1, weight.shape[1] * 4)))
+    for r0 in range(row_start, rows, step):
+        r1 = min(rows, r0 + step)
+        buf = workspace.rows(r1 - r0, weight.shape[1], compute)
+        buf.copy_(weight[r0:r1])
+        buf.addmm_(b[r0:r1], a, alpha=alpha)
+        if not _finite(buf, weight.dtype):
+            _raise_non_finite(name, r0, r1, written=r0 > 0)  # rows before row_start: fused on the device
+        weight[r0:r1].copy_(buf)
+    return kernel
+
+
+def _raise_non_finite(name: str, r0: int, r1: int, *, written: bool) -> None:
+    message = f"fusing the LoRA into {name}.weight would make rows {r0}:{r1} NaN/inf"
+    if written:
+        raise PartiallyFusedError(f"{message}; earlier rows were already fused: the module is partially fused, "
+                                  f"abort the load")
+    raise NonFiniteFusionError(f"{message}; nothing of this weight was written")
+
+
+def _fuse_on_device(weight, delta, alpha, device, chunk_rows, name, row_start) -> str:
+    """Fuse on ``device``: in place for a weight living there, else rows staged H2D, computed, copied back."""
+    on_host = weight.device.type == "cpu"
+    rows, done = weight.shape[0], row_start
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    try:
+        a = delta.A.to(device).to(compute)
+        b = delta.B.to(device).to(compute)
+    except Exception as exc:
+        if on_host:
+            raise _DeviceFailure(done, exc) from exc
+        raise
+    for r0 in range(row_start, rows, chunk_rows):
+        r1 = min(rows, r0 + chunk_rows)
+        try:
+            staged = weight[r0:r1].to(device)  # H2D for a CPU weight; a view for a device weight
+            acc = staged.to(compute) if staged.dtype != compute else staged if on_host else staged.clone()
+            acc.addmm_(b[r0:r1], a, alpha=alpha)
+            result = acc.to(weight.dtype) if acc.dtype != weight.dtype else acc
+            ok = _finite(result, weight.dtype)
+        except Exception as exc:
+            if on_host:
+                raise _DeviceFailure(done, exc) from exc
+            if done > 0:
+                raise PartiallyFusedError(f"{name}.weight failed on {device} after rows 0:{done} "
+                                          f"were fused: {exc}; abort the load") from exc
+            raise
+        if not ok:
+            _raise_non_finite(name, r0, r1, written=done > 0)
+        try:
+            weight[r0:r1].copy_(result)  # D2H for a CPU weight
+        except Exception as exc:
+            raise PartiallyFusedError(f"copying fused rows {r0}:{r1} of {name}.weight back from {device} failed "
+                                      f"({exc}); the weight may be half-written, abort the load") from exc
+        done = r1
+    return "device"
+
+
+def _add_full(target: torch.Tensor, delta: torch.Tensor, sign: int, name: str) -> None:
+    """``target += sign * delta`` (bias or full delta), checked before writing."""
+    compute = torch.promote_types(target.dtype, torch.float32)
+    result = target.to(compute) + sign * delta.to(device=target.device, dtype=compute)
+    if not _finite(result, target.dtype):
+        raise NonFiniteFusionError(f"adding the LoRA full/bias delta to {name} would make it NaN/inf")
+    target.copy_(result)
+
+
+# ---- the module-level API ------------------------------------------------------------------------------
+def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
+    """Resolve and check every target before any write (names, shapes, devices)."""
+    modules, params = dict(module.named_modules()), dict(module.named_parameters())
+    out = []
+    for name, delta in deltas.items():
+        owner = modules.get(name)
+        weight = getattr(owner, "weight", None) if owner is not None else params.get(name)
+        bias = getattr(owner, "bias", None) if owner is not None else None
+        if not isinstance(weight, torch.Tensor):
+            raise LoraFusionError(f"LoRA target {name} is not a module with a weight nor a parameter of "
+                                  f"{type(module).__name__}")
+        if type(weight.data) is not torch.Tensor or weight.device.type == "meta":
+            raise LoraFusionError(f"{name}.weight is a {type(weight.data).__name__} on {weight.device}: fuse LoRA "
+                                  f"on plain materialized tensors, before sharding")
+        if delta.A is not None and (weight.dim() != 2 or tuple(weight.shape) != (delta.B.shape[0], delta.A.shape[1])):
+            raise LoraFusionError(f"{name}.weight is {tuple(weight.shape)} but B @ A is "
+                                  f"({delta.B.shape[0]}, {delta.A.shape[1]})")
+        if delta.full_delta is not None and delta.full_delta.shape != weight.shape:
+            raise LoraFusionError(f"{name}: full delta {tuple(delta.full_delta.shape)} vs weight {tuple(weight.shape)}")
+        if delta.bias_delta is not None and (bias is None or delta.bias_delta.shape != bias.shape):
+            raise LoraFusionError(f"{name}: bias delta {tuple(delta.bias_delta.shape)} but the module's bias is "
+                                  f"{None if bias is None else tuple(bias.shape)}")
+        out.append((name, weight, bias, delta))
+    return out
+
+
+def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
+                  log: bool = True) -> FuseStats:
+    """The one loop behind ``fuse_lora`` (sign=+1) and ``unfuse_lora`` (sign=-1)."""
+    start = time.perf_counter()
+    if chunk_mb <= 0:
+        raise ValueError(f"chunk_mb must be positive, got {chunk_mb}")
+    targets = _targets(module, deltas)
+    accelerator = resolve_compute_device()  # once per call, shared by fuse and unfuse
+    workspace, warned = _Workspace(), False
+    used_accel, kernels_used = None, set()
+    params = fallbacks = 0
+    with torch.no_grad():
+        for name, weight, bias, delta in targets:
+            try:
+                if delta.A is not None:
+                    device = weight.device if weight.device.type != "cpu" else accelerator
+                    chunk_rows = max(1, (chunk_mb << 20) // max(1, weight.shape[1] * weight.element_size()))
+                    try:
+                        used = fuse_weight_(weight, delta, sign=sign, compute_device=device, chunk_rows=chunk_rows,
+                                            name=name, workspace=workspace)
+                    except _DeviceFailure as failure:
+                        fallbacks += 1
+                        if failure.rows_done:
+                            used_accel = used_accel or str(device)
+                        if not warned:
+                            warned = True
+                            logger.warning("LoRA fusion on %s failed for %s.weight %s (%s: %s); using the CPU "
+                                           "path for it (rows %d: onward) and for any later failure in this call",
+                                           device, name, tuple(weight.shape), type(failure.cause).__name__,
+                                           str(failure.cause).splitlines()[0], failure.rows_done)
+                        used = fuse_weight_(weight, delta, sign=sign, compute_device=None, chunk_rows=chunk_rows,
+                                            name=name, row_start=failure.rows_done, workspace=workspace)
+                    if used == "device":
+                        used_accel = used_accel or str(device)
+                    else:
+                        kernels_used.add(used)
+                    params += 1
+                if delta.full_delta is not None:
+                    _add_full(weight, delta.full_delta, sign, f"{name}.weight")
+                    params += 1 if delta.A is None else 0  # the weight is counted once
+                if delta.bias_delta is not None:
+                    _add_full(bias, delta.bias_delta, sign, f"{name}.bias")
+                    params += 1
+            except PartiallyFusedError:
+                raise
+            except Exception as exc:
+                if params:
+                    raise PartiallyFusedError(f"LoRA fusion failed at {name} after {params} tensors of "
+                                              f"{type(module).__name__} were modified ({exc}); the module is "
+                                              f"partially fused, abort the load") from exc
+                raise
+    stats = FuseStats(used_accel or "cpu", "+".join(sorted(kernels_used)) or None, len(targets), params, fallbacks,
+                      time.perf_counter() - start)
+    (logger.info if log else logger.debug)(
+                "%s %d LoRA targets (%d tensors) of %s: compute %s, cpu kernel %s, %d fallbacks, %.2f s",
+                "Fused" if sign > 0 else "Unfused", stats.targets, stats.params, type(module).__name__,
+                stats.compute_device, stats.cpu_kernel, stats.fallbacks, stats.seconds)
+    return stats
+
+
+def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
+              log: bool = True) -> FuseStats:
+    """Add every delta to ``module``'s weights in place (see the module doc for the device rule).
+    ``log=False``: the summary line goes to DEBUG (callers fusing tensor by tensor log their own)."""
+    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, log=log)
+
+
+def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
+    """Subtract what ``fuse_lora`` added (exact up to the weight dtype's rounding)."""
+    return _apply_deltas(module, deltas, sign=-1, chunk_mb=chunk_mb)
+
+
+def fuse_lora_files(
+    module: nn.Module,
+    paths_and_scales: Iterable[tuple[str | Path, float]] | Mapping[str | Path, float],
+    *,
+    strict: bool = True,
+    chunk_mb: int = 256,
+    packed_modules: Mapping[str, Sequence[str]] | None = None,
+) -> FuseStats:
+    """Load, normalize and validate every LoRA file first, then fuse them one after the other."""
+    items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
+    prepared = []
+    for path, scale in items:
+        lora = load_lora(path)
+        prepared.append((lora.path, normalize_lora(lora.state_dict, module, scale=scale, strict=strict,
+                                                   adapter_config=lora.adapter_config, packed_modules=packed_modules)))
+    total = None
+    for i, (path, deltas) in enumerate(prepared):
+        try:
+            stats = fuse_lora(module, deltas, chunk_mb=chunk_mb)
+        except Exception as exc:
+            if i == 0 or isinstance(exc, PartiallyFusedError):
+                raise
+            raise PartiallyFusedError(f"fusing {path} failed after {i} LoRA file(s) were fused ({exc}); the module "
+                                      f"is partially fused, abort the load") from exc
+        logger.info("Fused LoRA %s into %s (%d targets)", path, type(module).__name__, stats.targets)
+        total = stats if total is None else total + stats
+    return total or FuseStats("cpu", None, 0, 0, 0, 0.0)

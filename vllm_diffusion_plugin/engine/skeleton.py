@@ -1,0 +1,245 @@
+"""Component modules from ``config.json`` without random init, and diffusers-format saving.
+
+``build_component`` constructs the diffusers class named by ``config["_class_name"]`` with every
+*parameter* on ``meta`` (no memory, no random init of billions of weights) while *buffers* are computed for
+real: diffusers DiTs keep non-persistent buffers (Wan's rotary ``freqs_cos``/``freqs_sin``) that are not
+in any checkpoint, so they must keep their constructed values. Parameters are then allocated uninitialized
+on the target device, ready for ``weights.load_into_module`` to copy into. Dtypes follow diffusers'
+``from_pretrained(torch_dtype=...)``: the model is constructed under that default dtype, floating
+parameters get it, except those of the class's ``_keep_in_fp32_modules`` which stay float32.
+
+``save_component`` writes a module or state dict as a diffusers component folder (``config.json``,
+``diffusion_pytorch_model-0000i-of-0000N.safetensors`` shards and
+``diffusion_pytorch_model.safetensors.index.json``) that diffusers' ``from_pretrained`` loads, atomically:
+it is written into a hidden sibling folder that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
+
+logger = init_logger(__name__)
+
+WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"
+INDEX_NAME = SAFETENSORS_INDEX_NAMES[0]
+_PATCH_LOCK = threading.Lock()  # the meta-parameter patch is process-global while a class is constructed
+_CONFIG_DROP = ("_name_or_path", "_use_default_values", "_ignore_files")
+
+
+def component_class(source: ComponentSource) -> type[nn.Module]:
+    """The diffusers class named by the component's ``config.json`` ``_class_name``."""
+    config_file = source.folder / "config.json"
+    name = source.config.get("_class_name")
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{config_file}: no _class_name; cannot tell which diffusers class to build")
+    import diffusers
+    try:
+        cls = getattr(diffusers, name)
+    except (AttributeError, ImportError, RuntimeError) as exc:  # diffusers' lazy module raises on import errors
+        raise CheckpointError(f"{config_file}: _class_name {name!r} is not a class diffusers "
+                              f"{diffusers.__version__} provides ({type(exc).__name__}: {exc})") from exc
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "from_config")):
+        raise CheckpointError(f"{config_file}: _class_name {name!r} is not a diffusers model class")
+    return cls
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """While active, every parameter a module registers is moved to ``meta``; buffers stay real.
+
+    The same idea as accelerate's ``init_empty_weights(include_buffers=False)``, without depending on it:
+    ``nn.Linear`` and friends still run ``reset_parameters``, but on meta tensors, where it is a no-op.
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    with _PATCH_LOCK:
+        nn.Module.register_parameter = register_on_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original
+
+
+def _fp32_module_names(cls: type) -> tuple[str, ...]:
+    names = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def materialize(module: nn.Module, *, device: torch.device | str, dtype: torch.dtype,
+                keep_fp32: tuple[str, ...] = ()) -> nn.Module:
+    """Allocate every meta parameter uninitialized on ``device`` and move buffers there, keeping values.
+
+    Floating parameters get ``dtype`` unless a component of their dotted name is in ``keep_fp32``
+    (diffusers' rule); others keep theirs. Shared (tied) parameters stay shared.
+    """
+    device = torch.device(device)
+    _place_parameters(module, device=device, dtype=dtype, keep_fp32=keep_fp32)
+    for module_name, sub in module.named_modules():
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is None:
+                continue
+            if buffer.is_meta:
+                raise CheckpointError(f"buffer {module_name}.{name} {list(buffer.shape)} was created on meta; "
+                                      f"its value cannot be recovered")
+            sub._buffers[name] = buffer.to(device)
+    return module
+
+
+def _place_parameters(module: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                      keep_fp32: tuple[str, ...]) -> None:
+    """``materialize``'s parameter half: each parameter on ``device`` in its final dtype (diffusers' rule)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module_name, sub in module.named_modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                full = f"{module_name}.{name}" if module_name else name
+                target = param.dtype
+                if param.is_floating_point():
+                    target = torch.float32 if any(m in full.split(".") for m in keep_fp32) else dtype
+                if param.is_meta:
+                    data = torch.empty(param.shape, dtype=target, device=device)
+                else:
+                    data = param.detach().to(device=device, dtype=target)
+                replaced[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
+            sub._parameters[name] = replaced[id(param)]
+
+
+def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The component's diffusers model with uninitialized parameters on ``device`` and real buffers, in eval().
+
+    Load weights next (``weights.load_into_module(module, source=source)``). ``device="meta"`` returns the
+    skeleton without allocating anything: parameters on ``meta`` already in their final dtypes (``dtype``, or
+    float32 for the class's ``_keep_in_fp32_modules``), buffers with their real constructed values.
+    """
+    cls = component_class(source)
+    config = dict(source.config)
+    with _default_dtype(dtype), parameters_on_meta():
+        try:
+            module = cls.from_config(config)
+        except Exception as exc:
+            raise CheckpointError(f"{source.folder / 'config.json'}: cannot construct {cls.__name__} from "
+                                  f"this config: {type(exc).__name__}: {exc}") from exc
+    if torch.device(device).type != "meta":
+        materialize(module, device=device, dtype=dtype, keep_fp32=_fp32_module_names(cls))
+    else:  # diffusers' dtype rule on meta: parameters only, buffers keep their values
+        _place_parameters(module, device=torch.device("meta"), dtype=dtype, keep_fp32=_fp32_module_names(cls))
+    module.eval()
+    n_params = sum(p.numel() for p in module.parameters())
+    logger.info("Built %s (%s, %.3fB parameters, %s) on %s from %s without initializing weights",
+                cls.__name__, source.name, n_params / 1e9, dtype, device, source.folder / "config.json")
+    return module
+
+
+def _prepare_state_dict(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor")
+        if type(value).__name__ == "DTensor" or hasattr(value, "device_mesh"):
+            raise TypeError(f"state dict entry {key!r} is a sharded DTensor; gather it first (e.g. torch.distributed"
+                            f".checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
+                            f"full_state_dict=True, cpu_offload=True))) and save from one rank")
+        if value.is_meta:
+            raise ValueError(f"state dict entry {key!r} {list(value.shape)} is on the meta device: it holds no data")
+        tensor = value.detach().to("cpu").contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and storage in seen:
+            tensor = tensor.clone()  # tied weights / views of one storage: safetensors refuses shared memory
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], config: Mapping[str, Any] | None,
+                   out_dir: str | os.PathLike, *, max_shard_size: int | str = "2GB",
+                   overwrite: bool = False) -> Path:
+    """Write a diffusers component folder (config.json + safetensors shards + index) atomically.
+
+    ``config`` is the component's config (must carry ``_class_name``); None takes a diffusers module's
+    own ``.config``. The state dict must be full (gathered) tensors. Shards follow diffusers' names and
+    ``max_shard_size`` rule; an index is written even for a single shard. ``out_dir`` must not exist
+    unless ``overwrite``; on any failure no output folder (and no partial one) is left behind.
+    """
+    out_dir = Path(out_dir)
+    if isinstance(module_or_state_dict, nn.Module):
+        if config is None and hasattr(module_or_state_dict, "config"):
+            config = {**module_or_state_dict.config, "_class_name": type(module_or_state_dict).__name__}
+        module_or_state_dict = module_or_state_dict.state_dict()
+    if config is None or not config.get("_class_name"):
+        raise ValueError(f"save_component({out_dir}): the config needs a _class_name naming the diffusers class")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
+    state = _prepare_state_dict(module_or_state_dict)
+    if not state:
+        raise ValueError(f"save_component({out_dir}): the state dict is empty")
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
+    names = {name: name for name in split.filename_to_tensors}
+    if not split.is_sharded:
+        names = {name: WEIGHTS_PATTERN.format(suffix="-00001-of-00001") for name in names}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_json(tmp / "config.json", {k: v for k, v in dict(config).items() if k not in _CONFIG_DROP})
+        for name, keys in split.filename_to_tensors.items():
+            path = tmp / names[name]
+            save_file({key: state[key] for key in keys}, str(path), metadata={"format": "pt"})
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        weight_map = {key: names[name] for key, name in split.tensor_to_filename.items()}
+        _write_json(tmp / INDEX_NAME, {"metadata": dict(split.metadata), "weight_map": weight_map})
+        if out_dir.exists():
+            backup = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            out_dir.rename(backup)
+            tmp.rename(out_dir)
+            shutil.rmtree(backup, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    total = sum(t.nbytes for t in state.values())
+    logger.info("Saved %d tensors (%.3f GB) of %s in %d shard(s) to %s", len(state), total / 1e9,
+                config["_class_name"], len(names), out_dir)
+    return out_dir

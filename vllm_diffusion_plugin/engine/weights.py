@@ -1,0 +1,331 @@
+"""Streaming checkpoint tensors into a module: deterministic order, byte accounting, strict checks.
+
+``iterate_weights`` yields ``(name, tensor)`` from a resolved ``ComponentSource`` (files in source order,
+keys in on-disk order; safetensors tensors come zero-copy from the page cache). ``load_into_module`` copies
+them into a module's **already-allocated** parameters and buffers (``param.data.copy_`` under ``no_grad``:
+~17 GB/s from page cache on a 1-core host, vs 2-3 GB/s into fresh allocations), or hands them to the
+module's own ``load_weights`` when it has one (vLLM models). Given the source, it validates every key,
+shape and dtype from the file headers *before* touching the module, so a mismatch leaves it unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+from torch import nn
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
+
+logger = init_logger(__name__)
+
+PROGRESS_MIN_BYTES = 1 << 30
+"""Show a progress bar by default only when a component is larger than this (1 GiB)."""
+_CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_CONFIG_BUILT_PARAMS = ("input_scale_ub",)  # vLLM default_loader: params the quant config builds
+
+
+class WeightLoadError(ValueError):
+    """Checkpoint and module disagree (missing, unexpected or mismatched keys); the message names them."""
+
+
+@dataclass
+class LoadStats:
+    """Bytes and tensors read so far (a mutable counter a caller passes in to report bytes read per rank)."""
+
+    bytes_per_file: dict[Path, int] = field(default_factory=dict)
+    tensors: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_file.values())
+
+    def add(self, file: Path, nbytes: int) -> None:
+        self.bytes_per_file[file] = self.bytes_per_file.get(file, 0) + nbytes
+        self.tensors += 1
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What ``load_into_module`` did."""
+
+    loaded: frozenset[str]
+    """Names of the module's parameters/buffers that received checkpoint data."""
+    unexpected: tuple[str, ...]
+    """Checkpoint keys the module has no place for (skipped; an error with ``strict_unexpected``)."""
+    bytes_read: int
+    seconds: float
+    files: tuple[Path, ...]
+    bytes_per_file: Mapping[Path, int] = field(default_factory=dict)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _progress_bar(source: ComponentSource, total: int, progress: bool | None):
+    show = (progress is True or (progress is None and total > PROGRESS_MIN_BYTES)) and _rank() == 0
+    if not show or not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"Loading {source.name}")
+
+
+def _open_pickle(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{file}: cannot load with torch.load(weights_only=True): {exc}") from exc
+
+
+def _iter_file(source: ComponentSource, file: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.format == "pickle":
+        state = _open_pickle(file)
+        if isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
+        for key in keys:
+            if key not in state:
+                raise CheckpointError(f"{file}: key {key!r} vanished since the checkpoint was resolved")
+            yield key, state[key]
+        return
+    from safetensors import safe_open
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:
+        raise CheckpointError(f"{file}: cannot open safetensors file: {exc}") from exc
+    with handle:
+        for key in keys:
+            try:
+                tensor = handle.get_tensor(key)
+            except Exception as exc:
+                raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
+            yield key, tensor
+
+
+class WeightStream(Iterator[tuple[str, torch.Tensor]]):
+    """The iterator ``iterate_weights`` returns; ``.source`` lets consumers name the file of each key."""
+
+    def __init__(self, source: ComponentSource, generator: Iterator[tuple[str, torch.Tensor]]):
+        self.source = source
+        self._generator = generator
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._generator)
+
+    def close(self) -> None:
+        self._generator.close()
+
+
+def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, keys: Collection[str] | None = None,
+                    progress: bool | None = None) -> WeightStream:
+    """Yield ``(name, cpu_tensor)`` for every tensor of ``source`` (or only ``keys``), deterministically.
+
+    ``stats`` (optional) accumulates bytes per file. A progress bar over bytes is shown on rank 0 when
+    stderr is a terminal and the component is > 1 GiB, or when ``progress=True``; ``progress=False``
+    never shows one. A tensor whose file changed since it was resolved raises ``CheckpointError``.
+    """
+    return WeightStream(source, _generate(source, stats, keys, progress))
+
+
+def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
+              progress: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
+    wanted = None if keys is None else set(keys)
+    plan = [(file, [k for k in source.keys_in(file) if wanted is None or k in wanted]) for file in source.files]
+    bar = _progress_bar(source, sum(source.tensors[k].nbytes for _, ks in plan for k in ks), progress)
+    try:
+        for file, file_keys in plan:
+            for key, tensor in _iter_file(source, file, file_keys):
+                info = source.tensors[key]
+                if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+                    raise CheckpointError(f"{file}: tensor {key!r} is {list(tensor.shape)} {tensor.dtype} but "
+                                          f"its header said {list(info.shape)} {info.dtype}; file changed?")
+                nbytes = tensor.numel() * tensor.element_size()
+                if stats is not None:
+                    stats.add(file, nbytes)
+                if bar is not None:
+                    bar.update(nbytes)
+                yield key, tensor
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def strict_check_exemptions(module: nn.Module) -> set[str]:
+    """Parameters a checkpoint need not provide, following vLLM's loader (``track_weights_loading``).
+
+    Exempt: parameters of modules whose ``quant_method`` quantizes online (``uses_meta_device``: weights
+    are quantized while loading, their scales come from that) or is a KV-cache method (scales default when
+    absent); empty placeholders (``numel() == 0``); parameters the quant config builds (``input_scale_ub``).
+    Unlike vLLM's unquantized default, a plain layer's weights are never exempt.
+    """
+    try:
+        from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+    except ImportError:  # older/newer vLLM layout: no KV-cache exemption by type
+        BaseKVCacheMethod = ()
+    exempt = {name for name, p in module.named_parameters() if p.numel() == 0}
+    for prefix, sub in module.named_modules():
+        method = getattr(sub, "quant_method", None)
+        if method is None:
+            continue
+        whole = bool(getattr(method, "uses_meta_device", False)) or isinstance(method, BaseKVCacheMethod)
+        for name, _ in sub.named_parameters():
+            if whole or name.rsplit(".", 1)[-1] in _CONFIG_BUILT_PARAMS:
+                exempt.add(f"{prefix}.{name}" if prefix else name)
+    return exempt
+
+
+def _dtype_compatible(target: torch.dtype, ckpt: torch.dtype) -> bool:
+    return target == ckpt or (target in _CASTABLE and ckpt in _CASTABLE)
+
+
+def _mismatch(name: str, target: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, file) -> str | None:
+    where = f" (from {file})" if file else ""
+    if tuple(target.shape) != tuple(shape):
+        return f"{name}: checkpoint shape {list(shape)}{where} != module shape {list(target.shape)}"
+    if not _dtype_compatible(target.dtype, dtype):
+        return (f"{name}: checkpoint dtype {dtype}{where} cannot be cast into module dtype {target.dtype} "
+                f"(only float16/bfloat16/float32/float64 convert into each other)")
+    return None
+
+
+def _join(names: Iterable[str], limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def validate_headers(module: nn.Module, targets: Mapping[str, torch.Tensor], tensors: Mapping[str, TensorInfo], *,
+                     exempt: set[str], strict_unexpected: bool, origin: str) -> None:
+    """Every problem the checkpoint headers reveal (shapes, dtypes, missing and, with ``strict_unexpected``,
+    unexpected keys, meta targets), raised as one ``WeightLoadError`` before any tensor data is read or copied.
+
+    ``targets``: the module's ``state_dict(keep_vars=True)`` (a sharded module's DTensors are checked by their
+    global shapes); ``exempt``: from ``strict_check_exemptions``; ``origin`` names the checkpoint in messages.
+    """
+    problems = [msg for name, info in tensors.items() if name in targets
+                for msg in [_mismatch(name, targets[name], info.shape, info.dtype, info.file.name)] if msg]
+    missing = set(targets) - set(tensors) - exempt
+    if missing:
+        problems.append(f"missing from the checkpoint ({len(missing)}): {_join(missing)}")
+    unexpected = set(tensors) - set(targets)
+    if unexpected and strict_unexpected:
+        problems.append(f"unexpected in the checkpoint ({len(unexpected)}): {_join(unexpected)}")
+    on_meta = [name for name, t in targets.items() if t.is_meta and name in tensors]
+    if on_meta:
+        problems.append(f"{len(on_meta)} target tensor(s) are on the meta device (no storage to copy into; "
+                        f"materialize the module first, e.g. skeleton.build_component): {_join(on_meta, 5)}")
+    if problems:
+        raise WeightLoadError(f"cannot load {origin} into {type(module).__name__}; nothing was copied:\n  "
+                              + "\n  ".join(problems))
+
+
+def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                     source: ComponentSource | None = None, strict_unexpected: bool = False,
+                     progress: bool | None = None) -> LoadResult:
+    """Load ``weights`` (default: ``iterate_weights(source)``) into ``module`` and check completeness.
+
+    A module with its own ``load_weights(iterable) -> set[str] | None`` (vLLM models) gets the iterable;
+    the returned names are checked against its parameters. Otherwise each tensor is copied by name into
+    the matching parameter/persistent buffer's existing storage. Dtype rule: same dtype always loads;
+    float16/bfloat16/float32/float64 cast into each other (bf16 checkpoint into an fp32 module is fine);
+    anything else (fp8, integer, bool) must match exactly. Shapes must match exactly (no broadcasting).
+    Parameters exempt per ``strict_check_exemptions`` may be absent; any other missing one raises
+    ``WeightLoadError`` listing them. Unexpected checkpoint keys are skipped with a warning, or raise with
+    ``strict_unexpected``. With ``source`` given (and no custom ``load_weights``) all of this is checked
+    from the headers before any copy, so an error leaves ``module`` untouched.
+    """
+    if weights is None and source is None:
+        raise TypeError("load_into_module needs weights or source")
+    named_by = source if source is not None else getattr(weights, "source", None)  # names files in messages
+    origin = str(named_by.folder) if named_by is not None else "weights"
+    start, stats = time.perf_counter(), LoadStats()
+    exempt = strict_check_exemptions(module)
+    own_loader = getattr(module, "load_weights", None)
+    files = named_by.files if named_by is not None else ()
+
+    if callable(own_loader):
+        stream = weights if weights is not None else iterate_weights(source, progress=progress)
+        loaded = own_loader(_counted(stream, stats, named_by))
+        unexpected: tuple[str, ...] = ()
+        if loaded is None:
+            logger.debug("%s.load_weights returned None; loaded-weight tracking is off.", type(module).__name__)
+            loaded = set()
+        else:
+            missing = {name for name, _ in module.named_parameters()} - set(loaded) - exempt
+            if missing:
+                raise WeightLoadError(f"{type(module).__name__}.load_weights left {len(missing)} parameter(s) "
+                                      f"not initialized from {origin}: {_join(missing)}")
+    else:
+        targets = module.state_dict(keep_vars=True)
+        if source is not None:
+            validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=strict_unexpected,
+                             origin=origin)
+        stream = weights if weights is not None else iterate_weights(
+            source, keys=[k for k in source.tensors if k in targets], progress=progress)
+        loaded, unexpected = _copy_all(targets, _counted(stream, stats, named_by), strict_unexpected, origin,
+                                       named_by)
+        unexpected += tuple(k for k in (source.tensors if source is not None and weights is None else ())
+                            if k not in targets)
+        missing = set(targets) - loaded - exempt
+        if missing:
+            raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {type(module).__name__} were not "
+                                  f"in {origin}: {_join(missing)}")
+        if unexpected:
+            logger.warning("%d checkpoint key(s) in %s have no place in %s and were skipped: %s",
+                           len(unexpected), origin, type(module).__name__, _join(unexpected))
+    seconds = time.perf_counter() - start
+    logger.info("Loaded %d tensors (%.3f GB) into %s from %d file(s) in %s in %.2f s (%.2f GB/s)",
+                stats.tensors, stats.total_bytes / 1e9, type(module).__name__, len(files), origin, seconds,
+                stats.total_bytes / 1e9 / max(seconds, 1e-9))
+    return LoadResult(loaded=frozenset(loaded), unexpected=tuple(sorted(unexpected)), bytes_read=stats.total_bytes,
+                      seconds=seconds, files=tuple(files), bytes_per_file=MappingProxyType(dict(stats.bytes_per_file)))
+
+
+def _counted(stream: Iterable[tuple[str, torch.Tensor]], stats: LoadStats,
+             source: ComponentSource | None) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in stream:
+        info = source.tensors.get(name) if source is not None else None
+        stats.add(info.file if info is not None else Path("<stream>"), tensor.numel() * tensor.element_size())
+        yield name, tensor
+
+
+def _copy_all(targets: Mapping[str, torch.Tensor], stream: Iterable[tuple[str, torch.Tensor]],
+              strict_unexpected: bool, origin: str,
+              source: ComponentSource | None) -> tuple[set[str], tuple[str, ...]]:
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in stream:
+            target = targets.get(name)
+            if target is None:
+                if strict_unexpected:
+                    raise WeightLoadError(f"unexpected key {name!r} in {origin}: the module has no such "
+                                          f"parameter or buffer")
+                unexpected.append(name)
+                continue
+            info = source.tensors.get(name) if source is not None else None
+            problem = _mismatch(name, target, tuple(tensor.shape), tensor.dtype, info.file if info else None)
+            if problem is None and target.is_meta:
+                problem = f"{name}: module tensor is on the meta device; materialize the module first"
+            if problem:
+                raise WeightLoadError(f"cannot load {origin}: {problem}")
+            target.data.copy_(tensor)
+            loaded.add(name)
+    return loaded, tuple(unexpected)
