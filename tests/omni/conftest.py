@@ -32,7 +32,9 @@ def omni() -> types.SimpleNamespace:
     apply_patches()
     loader_mod = importlib.import_module("vllm_omni.diffusion.model_loader.diffusers_loader")
     lora_mod = importlib.import_module("vllm_omni.diffusion.lora.loader")
+    importlib.import_module("vllm_omni.config.omni_config")
     status = patch_status()
-    assert status == {"load-format": "applied", "postprocess": "applied", "lora-device": "applied"}, status
+    units = ("load-format", "postprocess", "lora-device", "load-path", "serve-flag")
+    assert {name: status.get(name) for name in units} == dict.fromkeys(units, "applied"), status
     return types.SimpleNamespace(version=vllm_omni.__version__, loader_mod=loader_mod, lora_mod=lora_mod,
                                  Loader=loader_mod.DiffusersPipelineLoader)

@@ -49,16 +49,20 @@ def test_patches_wait_for_vllm_omni_imports_and_nothing_without_it():
         importlib.util.find_spec = real_find_spec
         apply_patches()
         assert set(patch_status().values()) == {"pending (vllm_omni.diffusion.model_loader.diffusers_loader not "
-            "imported yet)", "pending (vllm_omni.diffusion.lora.loader not imported yet)"}, patch_status()
+            "imported yet)", "pending (vllm_omni.diffusion.lora.loader not imported yet)",
+            "pending (vllm_omni.config.omni_config not imported yet)"}, patch_status()
         assert not [m for m in sys.modules if m.startswith("vllm_omni")], "apply_patches imported vllm-omni"
         from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader as L
         from vllm_omni.diffusion.lora import loader
+        from vllm_omni.config import omni_config
         assert set(patch_status().values()) == {"applied"}, patch_status()
-        before = (L._prepare_weights, L.load_model, L._process_weights_after_loading,
-                  loader._resolve_lora_compute_device, loader._prepare_lora_delta)
+        before = (L._prepare_weights, L.__init__, L.load_weights, L._process_weights_after_loading,
+                  loader._resolve_lora_compute_device, loader._prepare_lora_delta,
+                  omni_config.extract_diffusion_stage_config_kwargs)
         apply_patches()
-        after = (L._prepare_weights, L.load_model, L._process_weights_after_loading,
-                 loader._resolve_lora_compute_device, loader._prepare_lora_delta)
+        after = (L._prepare_weights, L.__init__, L.load_weights, L._process_weights_after_loading,
+                 loader._resolve_lora_compute_device, loader._prepare_lora_delta,
+                 omni_config.extract_diffusion_stage_config_kwargs)
         assert before == after and not any(_patching.is_patched(f.__wrapped__) for f in after)
         print("HOOK-OK")
     """)
@@ -164,8 +168,8 @@ def test_extra_config_keys_are_checked_before_any_file_is_read(omni, tiny_wan_di
     args = (str(tiny_wan_dir), "transformer", None, True, None)
     with pytest.raises(ValueError, match="Unknown key.*'hsdp_shards'.*known keys: allow_pickle"):
         omni_loader("diffusion-hsdp", {"hsdp_shards": 2})._prepare_weights(*args)
-    with pytest.raises(ValueError, match="'lora_path'.*no effect.*--lora-path with --lora-backend distill"):
-        omni_loader("diffusion-hsdp", {"lora_path": "x.safetensors"})._prepare_weights(*args)
+    with pytest.raises(ValueError, match="'hsdp_block_pattern'.*no effect under vllm-omni.*_hsdp_shard_conditions"):
+        omni_loader("diffusion-hsdp", {"hsdp_block_pattern": "blocks"})._prepare_weights(*args)
 
 
 def test_other_load_formats_reach_vllm_omni_untouched(omni, tiny_wan_dir):
@@ -230,9 +234,9 @@ def tiny_wan_pipeline_class():
 
 def test_load_model_diffusion_hsdp_end_to_end_on_fake_mesh(omni, tiny_wan_dir, tmp_path, fake_accelerator,
                                                            monkeypatch):
-    """vllm-omni's own load_model with --load-format diffusion-hsdp: our _prepare_weights, HSDP sizes from our
-    extra-config, LoRA deltas computed on the accelerator for CPU weights, our post-processing, then vllm-omni's
-    apply_hsdp_to_model on a one-process (1, 2) fake mesh."""
+    """vllm-omni's own load_model with --load-format diffusion-hsdp: HSDP sizes from our extra-config, the DiT read
+    through our path with vllm-omni's distilled LoRA fused by our rule (deltas on the accelerator for CPU
+    weights), our post-processing, then vllm-omni's apply_hsdp_to_model on a one-process (1, 2) fake mesh."""
     import vllm_omni.diffusion.distributed.hsdp as omni_hsdp
 
     base = build_tiny_model("wan", seed=0)  # the weights of tiny_wan_dir/transformer
@@ -242,7 +246,8 @@ def test_load_model_diffusion_hsdp_end_to_end_on_fake_mesh(omni, tiny_wan_dir, t
     seen = {}
 
     def apply_hsdp_to_model(model, hsdp_config, target_device=None):  # vllm-omni's, after a look and a move
-        seen.update(config=hsdp_config, mm=fake_accelerator.op_counts["aten::mm"], h2d=fake_accelerator.h2d_copies,
+        seen.update(config=hsdp_config, h2d=fake_accelerator.h2d_copies,
+                    mm=fake_accelerator.op_counts["aten::addmm_"] + fake_accelerator.op_counts["aten::addmm"],
                     devices={p.device.type for p in model.parameters()},
                     state={k: v.detach().clone() for k, v in model.state_dict().items()})
         model.to(target_device)  # see the module docstring (fakeacc refuses FSDP2's own .data move)

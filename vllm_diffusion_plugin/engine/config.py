@@ -57,23 +57,26 @@ class LoadOptions:
     """Keys another vLLM component put into the extra config for its own use (e.g. ``is_draft``)."""
 
     @classmethod
-    def from_extra_config(cls, extra_config: Mapping[str, Any] | None) -> LoadOptions:
+    def from_extra_config(cls, extra_config: Mapping[str, Any] | None, *,
+                          origin: str = "--model-loader-extra-config") -> LoadOptions:
+        """Options from ``extra_config`` with env fallbacks; ``origin`` names where the keys came from in errors
+        (vllm-omni's door: ``--additional-config diffusion_hsdp``)."""
         extra_config = dict(extra_config or {})
         known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
         passthrough = {k: extra_config.pop(k) for k in _VLLM_OWNED_KEYS if k in extra_config}
         unknown = sorted(set(extra_config) - set(known))
         if unknown:
             raise ValueError(
-                f"Unknown key(s) {', '.join(map(repr, unknown))} in --model-loader-extra-config for load "
+                f"Unknown key(s) {', '.join(map(repr, unknown))} in {origin} for load "
                 f"format `diffusion-hsdp`; known keys: {', '.join(sorted(known))}"
             )
         env_for_key = envs.by_extra_config_key()
         values: dict[str, Any] = {}
         for name, f in known.items():
             if name in extra_config:
-                values[name] = _coerce(name, extra_config[name], f.type)
+                values[name] = _coerce(name, extra_config[name], f.type, origin)
             elif name in env_for_key and envs.is_set(env_for_key[name].name):
-                values[name] = _coerce(name, envs.get(env_for_key[name].name), f.type)
+                values[name] = _coerce(name, envs.get(env_for_key[name].name), f.type, env_for_key[name].name)
         options = cls(**values, extra=passthrough)
         options.validate()
         return options
@@ -110,9 +113,9 @@ _TYPE_NAMES = {
 }
 
 
-def _coerce(key: str, value: Any, type_name: str) -> Any:
+def _coerce(key: str, value: Any, type_name: str, origin: str) -> Any:
     def bad() -> TypeError:
-        return TypeError(f"--model-loader-extra-config key {key!r} must be {_TYPE_NAMES[type_name]}, "
+        return TypeError(f"{origin} key {key!r} must be {_TYPE_NAMES[type_name]}, "
                          f"got {type(value).__name__} {value!r}")
 
     if type_name == "tuple[str, ...]":

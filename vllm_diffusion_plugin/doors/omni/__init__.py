@@ -11,7 +11,16 @@ Units (one module each, documented there: why, how, versions, when to remove):
 - ``patch_postprocess``: ``DiffusersPipelineLoader._process_weights_after_loading`` replaced by our
   online-quant-finalizing, HSDP-aware ``postprocess.process_weights_after_loading``;
 - ``patch_lora_device``: vllm-omni's LoRA compute-device resolution replaced by our probe-based rule, with a
-  CPU fallback when the accelerator fails for one tensor.
+  CPU fallback when the accelerator fails for one tensor;
+- ``patch_load_path``: under our load format the diffusion workers' loader reads the DiTs through our path
+  (manifests, reader, LoRA fusion per component, strict check; ``load_path``) with options from
+  ``--additional-config diffusion_hsdp`` (``serve_options``);
+- ``patch_serve_flag``: ``vllm serve --omni --load-format diffusion-hsdp`` carried from the stage's load config
+  (dropped by vllm-omni) to the workers, options validated in the API server before any worker starts.
+
+``load-format``, ``postprocess``, ``load-path`` and ``serve-flag`` are required by the flag: when one of them
+does not recognize the installed vllm-omni and ``--load-format diffusion-hsdp`` is on the command line, the
+server stops at startup (``_patching.LoadFormatUnavailable``) instead of serving vllm-omni's own load.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-PATCH_UNITS = ("patch_load_format", "patch_postprocess", "patch_lora_device")
+PATCH_UNITS = ("patch_load_format", "patch_postprocess", "patch_lora_device", "patch_load_path", "patch_serve_flag")
 
 
 def apply_patches() -> None:

@@ -13,8 +13,11 @@ remove it) and three names:
 otherwise from a ``sys.meta_path`` hook right after the target's code ran (so importing this plugin never
 imports vllm-omni: in a plain vLLM process, importing ``vllm_omni`` would apply vllm-omni's own patches to
 vLLM). A unit that does not recognize the installed vllm-omni logs one warning naming the vllm-omni
-version and is skipped; an unexpected error inside a unit is logged the same way. Neither ever reaches
-the user's server.
+version and is skipped; an unexpected error inside a unit is logged the same way. Neither reaches the
+user's server -- except for a unit that declares ``REQUIRED_BY_LOAD_FORMAT = True`` (the units that make
+``--load-format diffusion-hsdp`` work) when that flag is on the command line: the server would otherwise
+serve vllm-omni's own load under our flag, so :class:`LoadFormatUnavailable` is raised instead and the
+server stops at startup with one message.
 """
 
 from __future__ import annotations
@@ -46,6 +49,43 @@ _finder: _PostImportFinder | None = None
 
 class UnrecognizedShape(Exception):
     """The installed vllm-omni does not have the attribute/signature a patch unit expects."""
+
+
+class LoadFormatUnavailable(RuntimeError):
+    """``--load-format diffusion-hsdp`` was asked for, but a patch unit it needs is not applied."""
+
+
+def load_format_requested(argv: Sequence[str] | None = None) -> bool:
+    """Whether the command line (default ``sys.argv``; spawned workers inherit it) asks for our load format."""
+    from vllm_diffusion_plugin import LOAD_FORMAT
+
+    argv = list(sys.argv if argv is None else argv)
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag.replace("_", "-") != "--load-format":
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if value.lower() == LOAD_FORMAT:
+            return True
+    return False
+
+
+def unavailable(unit_name: str, state: str) -> LoadFormatUnavailable:
+    return LoadFormatUnavailable(
+        f"--load-format diffusion-hsdp was given, but vllm-omni {omni_version()} does not have the shape the "
+        f"plugin's patch `{unit_name}` needs ({state}), so its diffusion workers would silently load with "
+        f"vllm-omni's own code. Refusing to start: use a vllm-omni release this plugin supports (0.30) or drop "
+        f"--load-format diffusion-hsdp.")
+
+
+def require_applied(unit_names: Iterable[str]) -> None:
+    """Raise :class:`LoadFormatUnavailable` unless every named unit is applied in this process."""
+    current = status()
+    for name in unit_names:
+        state = current.get(name, "not installed")
+        if state not in ("applied", "already applied"):
+            raise unavailable(name, state)
 
 
 def omni_version() -> str:
@@ -114,7 +154,8 @@ def rebind(original: Any, replacement: Any, *, prefix: str = OMNI_PREFIX) -> lis
 
 # ---- running units ---------------------------------------------------------------------------------------
 def run_unit(unit: ModuleType, module: ModuleType) -> str:
-    """Apply ``unit`` to its imported target ``module``; never raises (see the module docstring)."""
+    """Apply ``unit`` to its imported target ``module``; raises only :class:`LoadFormatUnavailable` (see the
+    module docstring)."""
     name = unit.NAME
     try:
         result = unit.apply(module)
@@ -131,6 +172,9 @@ def run_unit(unit: ModuleType, module: ModuleType) -> str:
         logger.debug("vllm-omni %s: patch `%s` on %s: %s", omni_version(), name, module.__name__, result)
     with _lock:
         _status[name] = result
+    if result.startswith(("skipped", "failed")) and getattr(unit, "REQUIRED_BY_LOAD_FORMAT", False) \
+            and load_format_requested():
+        raise unavailable(name, result)
     return result
 
 

@@ -8,18 +8,18 @@ other load format goes to vllm-omni's code untouched:
 
 - ``_prepare_weights``: for ``diffusion-hsdp``, vllm-omni's own code runs as for ``hf`` (index-driven shard
   lists, local folders, hub downloads) on a copy of the load config; pickled ``.bin``/``.pt`` weights are then
-  refused unless the extra-config key ``allow_pickle`` is true.
+  refused unless our option ``allow_pickle`` is true.
 - ``load_model``: for ``diffusion-hsdp``, the loader gets an HSDP-enabled copy of its parallel config before
   vllm-omni's ``load_model`` chooses its path. Sizes: vllm-omni's own ``--use-hsdp`` options when set (sizes
-  given in the extra config must then agree), else ``hsdp_replicate_size``/``hsdp_shard_size`` from
-  ``--model-loader-extra-config`` (``VLLM_DIFFUSION_*`` env fallbacks; ``-1`` = world / R), checked against
-  the torch.distributed world vllm-omni started: R x S must equal it. vllm-omni's own ``apply_hsdp_to_model``
-  shards, following each model's ``_hsdp_shard_conditions``. The copy is the loader's only
-  (``od_config.parallel_config`` is not changed).
+  given in our options must then agree), else ``hsdp_replicate_size``/``hsdp_shard_size`` from our options
+  (``VLLM_DIFFUSION_*`` env fallbacks; ``-1`` = world / R), checked against the torch.distributed world
+  vllm-omni started: R x S must equal it; one rank with no sizes anywhere keeps vllm-omni's plain path.
+  vllm-omni's own ``apply_hsdp_to_model`` shards, following each model's ``_hsdp_shard_conditions``. The copy
+  is the loader's only (``od_config.parallel_config`` is not changed).
 
-In this door only the extra-config keys ``hsdp_replicate_size``, ``hsdp_shard_size`` and ``allow_pickle`` have
-a meaning; any other known key is an error naming vllm-omni's own option for it (LoRA: ``--lora-path`` with
-``--lora-backend distill``).
+Options: ``--additional-config '{"diffusion_hsdp": {...}}'`` under ``vllm serve --omni`` (carried by
+``patch_serve_flag``), else the load config's extra config; keys with no effect under vllm-omni are refused
+(``serve_options.UNSUPPORTED_KEYS``). The DiT weights themselves are read by ``patch_load_path``.
 
 Versions. Every vllm-omni release checked needs it (0.22, 0.24, 0.26, 0.28 and 0.30 reject other load
 formats). Recognized shape: ``__init__(self, load_config, od_config)``, ``_prepare_weights(self,
@@ -44,19 +44,12 @@ from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require
 logger = init_logger(__name__)
 
 NAME = "load-format"
+REQUIRED_BY_LOAD_FORMAT = True
 TARGET = "vllm_omni.diffusion.model_loader.diffusers_loader"
 
 PREPARE_PARAMS = ("self", "model_name_or_path", "subfolder", "revision", "fall_back_to_pt",
                   "allow_patterns_overrides")
 LOAD_MODEL_PARAMS = ("self", "load_device", "load_format", "custom_pipeline_name", "device")
-
-OMNI_DOOR_KEYS = frozenset({"hsdp_replicate_size", "hsdp_shard_size", "allow_pickle"})
-"""Extra-config keys that mean something under vllm-omni."""
-_OMNI_EQUIVALENT = {
-    "lora_path": "vllm-omni's --lora-path with --lora-backend distill",
-    "lora_scale": "vllm-omni's --lora-scale",
-    "hsdp_block_pattern": "the model's _hsdp_shard_conditions",
-}
 
 
 def apply(module: Any) -> str:
@@ -85,23 +78,21 @@ def uses_diffusion_hsdp(loader: Any) -> bool:
     return isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
 
 
-def omni_load_options(load_config: Any):
-    """Our ``LoadOptions`` from the load config's extra config, refusing keys that mean nothing here."""
-    from vllm_diffusion_plugin.engine.config import LoadOptions
+def omni_load_options(loader: Any):
+    """Our ``LoadOptions`` for ``loader``: from ``--additional-config diffusion_hsdp`` when the load format was
+    carried there (``vllm serve --omni``), else from the load config's extra config (a ``LoadConfig`` built
+    with our format directly); keys with no effect under vllm-omni are refused (``serve_options``)."""
+    from vllm_diffusion_plugin.doors.omni import serve_options
 
-    raw = dict(getattr(load_config, "model_loader_extra_config", None) or {})
-    options = LoadOptions.from_extra_config(raw)
-    unused = sorted(set(raw) - OMNI_DOOR_KEYS - set(options.extra))
-    if unused:
-        hints = "; ".join(f"{k}: use {_OMNI_EQUIVALENT[k]}" for k in unused if k in _OMNI_EQUIVALENT)
-        raise ValueError(
-            f"--model-loader-extra-config key(s) {', '.join(map(repr, unused))} have no effect with "
-            f"--load-format diffusion-hsdp under vllm-omni (it honours {', '.join(sorted(OMNI_DOOR_KEYS))})"
-            + (f"; {hints}" if hints else ""))
-    return options
+    od_config = getattr(loader, "od_config", None)
+    if serve_options.carried(od_config):
+        return serve_options.omni_options(od_config.additional_config)
+    raw = dict(getattr(loader.load_config, "model_loader_extra_config", None) or {})
+    return serve_options.omni_options({serve_options.OPTIONS_KEY: raw}, origin="--model-loader-extra-config")
 
 
-def _with_load_format(load_config: Any, load_format: str) -> Any:
+def with_load_format(load_config: Any, load_format: str) -> Any:
+    """A copy of ``load_config`` with another load format."""
     if dataclasses.is_dataclass(load_config):
         return dataclasses.replace(load_config, load_format=load_format)
     clone = copy.copy(load_config)
@@ -114,11 +105,11 @@ def _wrap_prepare_weights(original, signature):
     def _prepare_weights(self, *args, **kwargs):
         if not uses_diffusion_hsdp(self):
             return original(self, *args, **kwargs)
-        options = omni_load_options(self.load_config)
+        options = omni_load_options(self)
         bound = signature.bind(self, *args, **kwargs)
         bound.arguments["fall_back_to_pt"] = bool(bound.arguments["fall_back_to_pt"]) and options.allow_pickle
         load_config = self.load_config
-        self.load_config = _with_load_format(load_config, "hf")  # vllm-omni's safetensors/hf code path
+        self.load_config = with_load_format(load_config, "hf")  # vllm-omni's safetensors/hf code path
         try:
             folder, files, use_safetensors = original(*bound.args, **bound.kwargs)
         finally:
@@ -128,7 +119,7 @@ def _wrap_prepare_weights(original, signature):
                 f"--load-format diffusion-hsdp found no safetensors weights for "
                 f"{bound.arguments['model_name_or_path']} (subfolder {bound.arguments['subfolder']!r}), only "
                 f"pickled files {sorted(map(str, files))[:4]}; convert them to safetensors or set "
-                f"\"allow_pickle\": true in --model-loader-extra-config")
+                f"\"allow_pickle\": true in --additional-config diffusion_hsdp")
         logger.info("diffusion-hsdp (vllm-omni): %d %s weight file(s) in %s", len(files),
                     "safetensors" if use_safetensors else "pickled", folder)
         return folder, files, use_safetensors
@@ -141,7 +132,7 @@ def _wrap_load_model(original):
     def load_model(self, *args, **kwargs):
         if uses_diffusion_hsdp(self):
             self.parallel_config = hsdp_parallel_config(
-                self.parallel_config, omni_load_options(self.load_config), world_size=_world_size())
+                self.parallel_config, omni_load_options(self), world_size=_world_size())
         return original(self, *args, **kwargs)
 
     return load_model
@@ -156,8 +147,8 @@ def _world_size() -> int:
 def hsdp_parallel_config(parallel_config: Any, options: Any, *, world_size: int) -> Any:
     """vllm-omni's parallel config with HSDP on (see the module docstring for where the sizes come from).
 
-    Returns ``parallel_config`` itself when vllm-omni's own HSDP options are already on, else a copy made
-    with ``dataclasses.replace`` (so vllm-omni's own validation runs on it)."""
+    Returns ``parallel_config`` itself when vllm-omni's own HSDP options are already on, or on one rank with
+    no sizes given, else a copy made with ``dataclasses.replace`` (so vllm-omni's own validation runs on it)."""
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
 
     ours = HSDPConfig(replicate_size=options.hsdp_replicate_size, shard_size=options.hsdp_shard_size)
@@ -167,15 +158,17 @@ def hsdp_parallel_config(parallel_config: Any, options: Any, *, world_size: int)
         if given and _resolved(ours, world_size).mesh_shape != omni:
             raise ValueError(
                 f"HSDP sizes disagree: vllm-omni's --use-hsdp options give replicate x shard = {omni[0]} x "
-                f"{omni[1]}, --model-loader-extra-config gives hsdp_replicate_size={ours.replicate_size}, "
+                f"{omni[1]}, our options (diffusion_hsdp) give hsdp_replicate_size={ours.replicate_size}, "
                 f"hsdp_shard_size={ours.shard_size}; set them in one place")
         logger.info("diffusion-hsdp (vllm-omni): HSDP replicate x shard = %d x %d from vllm-omni's options",
                     *omni)
         return parallel_config
+    if world_size == 1 and not given:
+        return parallel_config  # one rank and no sizes anywhere: nothing to shard, vllm-omni's plain path
     replicate, shard = _resolved(ours, world_size).mesh_shape
     enabled = dataclasses.replace(parallel_config, use_hsdp=True, hsdp_replicate_size=replicate,
                                   hsdp_shard_size=shard)
-    logger.info("diffusion-hsdp (vllm-omni): HSDP replicate x shard = %d x %d over %d ranks (extra-config)",
+    logger.info("diffusion-hsdp (vllm-omni): HSDP replicate x shard = %d x %d over %d ranks (our options)",
                 replicate, shard, world_size)
     return enabled
 

@@ -34,6 +34,7 @@ from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require
 logger = init_logger(__name__)
 
 NAME = "postprocess"
+REQUIRED_BY_LOAD_FORMAT = True
 TARGET = "vllm_omni.diffusion.model_loader.diffusers_loader"
 PARAMS = ("self", "model", "target_device")
 

@@ -374,7 +374,7 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
 
 
 def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
-                  check_finite: bool) -> FuseStats:
+                  check_finite: bool, log: bool = True) -> FuseStats:
     """The one loop behind ``fuse_lora`` (sign=+1) and ``unfuse_lora`` (sign=-1)."""
     start = time.perf_counter()
     if chunk_mb <= 0:
@@ -428,17 +428,19 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
                 raise
     stats = FuseStats(used_accel or "cpu", "+".join(sorted(kernels_used)) or None, len(targets), params, fallbacks,
                       time.perf_counter() - start)
-    logger.info("%s %d LoRA targets (%d tensors) of %s: compute %s, cpu kernel %s, %d fallbacks, %.2f s",
+    (logger.info if log else logger.debug)(
+                "%s %d LoRA targets (%d tensors) of %s: compute %s, cpu kernel %s, %d fallbacks, %.2f s",
                 "Fused" if sign > 0 else "Unfused", stats.targets, stats.params, type(module).__name__,
                 stats.compute_device, stats.cpu_kernel, stats.fallbacks, stats.seconds)
     return stats
 
 
 def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
-              check_finite: bool = False) -> FuseStats:
+              check_finite: bool = False, log: bool = True) -> FuseStats:
     """Add every delta to ``module``'s weights in place (see the module doc for the device rule and what
-    ``check_finite`` adds to the integrity checks that always run)."""
-    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, check_finite=check_finite)
+    ``check_finite`` adds to the integrity checks that always run). ``log=False``: the summary line goes to
+    DEBUG (callers fusing tensor by tensor log their own)."""
+    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, check_finite=check_finite, log=log)
 
 
 def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,

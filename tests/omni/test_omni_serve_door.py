@@ -1,0 +1,333 @@
+"""``vllm serve DIR --omni --load-format diffusion-hsdp``: the flag reaches vllm-omni's diffusion workers, options
+come from ``--additional-config diffusion_hsdp``, and vllm-omni's own Wan2.2 pipeline loads its two DiTs
+through our path (one LoRA each), against the real vllm-omni 0.30 classes:
+
+- the API-server side: vllm-omni's ``extract_diffusion_stage_config_kwargs`` (what ``build_diffusion_config``
+  calls) and ``OmniDiffusionConfig``;
+- the worker side: ``DiffusersPipelineLoader(LoadConfig(), od_config)`` exactly as the diffusion model runner
+  builds it, and its ``load_model`` building vllm-omni's ``Wan22Pipeline`` (fused ``to_qkv``, its own name
+  mapping) from a tiny runnable Wan2.2 folder saved by diffusers, on vllm-omni's CPU platform
+  (``VLLM_DIFFUSION_OMNI_CPU=1``) with its parallel state initialized in-process (gloo, one rank).
+"""
+
+from __future__ import annotations
+
+import glob
+import inspect
+import logging
+import socket
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from omni_support import captured_logs, import_omni
+
+from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
+from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
+
+import_omni()  # skips this module where vllm-omni is not installed
+
+FLAG = "diffusion-hsdp"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stage_fields(**engine_args):
+    """vllm-omni's own projection of a diffusion stage's engine arguments (API server, build_diffusion_config)."""
+    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
+
+    engine_args.setdefault("model", "/nonexistent-model")
+    engine_args.setdefault("dtype", "float32")
+    return extract_diffusion_stage_config_kwargs(engine_args, stage_id=0)
+
+
+def runner_loader(od_config):
+    """The loader as vllm-omni's diffusion model runner builds it (``diffusion_model_runner.py``: ``LoadConfig()``)."""
+    from vllm.config.load import LoadConfig
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    return DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
+
+
+# --- 1. the flag reaches the loader ------------------------------------------------------------------------
+def test_the_flag_reaches_the_loader_the_runner_builds(omni):
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.worker import diffusion_model_runner
+
+    assert "LoadConfig()" in inspect.getsource(diffusion_model_runner)  # the runner still drops everything
+    od_config = OmniDiffusionConfig(**stage_fields(load_format=FLAG))
+    assert runner_loader(od_config).load_config.load_format == FLAG
+    plain = OmniDiffusionConfig(**stage_fields(load_format="auto"))
+    assert runner_loader(plain).load_config.load_format == "auto"  # other formats: untouched
+
+
+def test_without_our_units_the_flag_is_dropped(omni):
+    """What stock vllm-omni does (the originals under our wrappers): the worker loads with 'auto'."""
+    from vllm.config.load import LoadConfig
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    from vllm_omni.config import omni_config
+
+    fields = omni_config.extract_diffusion_stage_config_kwargs.__wrapped__(
+        {"model": "/nonexistent-model", "dtype": "float32", "load_format": FLAG}, stage_id=0)
+    loader = omni.Loader.__new__(omni.Loader)
+    omni.Loader.__init__.__wrapped__(loader, LoadConfig(), OmniDiffusionConfig(**fields))
+    assert loader.load_config.load_format == "auto"
+
+
+# --- 2. options: --additional-config diffusion_hsdp, refused early and by name -----------------------------
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"lora_paths": ["x"]}, ValueError, r"Unknown key\(s\) 'lora_paths' in --additional-config diffusion_hsdp"),
+    ({"lora_scale": "high"}, TypeError, r"--additional-config diffusion_hsdp key 'lora_scale' must be a number"),
+    ({"hsdp_weight_load": "rank_local"}, ValueError, r"hsdp_weight_load='rank_local' is not available under "
+                                                     r"vllm-omni"),
+    ({"hsdp_block_pattern": "blocks"}, ValueError, r"key 'hsdp_block_pattern' .* has no effect under vllm-omni"),
+    ({"lora_path": "transformer=/nonexistent/high.safetensors"}, FileNotFoundError,
+     r"LoRA file /nonexistent/high.safetensors does not exist"),
+    ("not-an-object", TypeError, r"must be a JSON object"),
+])
+def test_bad_options_stop_the_api_server_naming_the_key(omni, options, error, match):
+    with pytest.raises(error, match=match):
+        stage_fields(load_format=FLAG, additional_config={"diffusion_hsdp": options})
+
+
+def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
+    with pytest.raises(ValueError, match="'diffusion_hsdp' is read only with --load-format diffusion-hsdp"):
+        stage_fields(load_format="auto", additional_config={"diffusion_hsdp": {"lora_scale": 0.5}})
+    with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's enable_layerwise_offload"):
+        stage_fields(load_format=FLAG, enable_layerwise_offload=True)
+    with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's --diffusion-load-format diffusers"):
+        stage_fields(load_format=FLAG, diffusion_load_format="diffusers")
+
+
+def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
+    from vllm_diffusion_plugin.doors.omni.serve_options import omni_options, weight_load_strategy
+
+    assert weight_load_strategy(omni_options({}), {"enable_broadcast_weight_load": True}) == "broadcast"
+    assert weight_load_strategy(omni_options({}), {}) == "full"
+    ours = omni_options({"diffusion_hsdp": {"hsdp_weight_load": "broadcast"}})
+    assert weight_load_strategy(ours, {}) == "broadcast"
+
+
+def test_env_fallbacks_apply_and_the_json_wins(omni, monkeypatch):
+    from vllm_diffusion_plugin.doors.omni.serve_options import omni_options
+
+    monkeypatch.setenv("VLLM_DIFFUSION_LORA_SCALE", "0.25")
+    monkeypatch.setenv("VLLM_DIFFUSION_HSDP_WEIGHT_LOAD", "broadcast")
+    options = omni_options({"diffusion_hsdp": {"lora_scale": 2}})
+    assert (options.lora_scale, options.hsdp_weight_load) == (2.0, "broadcast")
+
+
+# --- 1b. an unrecognized vllm-omni with the flag stops the server; without it, a warning ------------------
+def test_an_unrecognized_shape_stops_startup_only_when_the_flag_was_given(omni, monkeypatch):
+    monkeypatch.setattr(_patching, "_status", dict(_patching._status))
+    changed = types.ModuleType(patch_serve_flag.TARGET)  # a vllm-omni without the function we wrap
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "/m", "--omni"])
+    assert _patching.run_unit(patch_serve_flag, changed).startswith("skipped: ")
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "/m", "--omni", "--load-format", FLAG])
+    with pytest.raises(_patching.LoadFormatUnavailable, match="--load-format diffusion-hsdp was given, but "
+                                                              "vllm-omni .* patch `serve-flag`.*Refusing to start"):
+        _patching.run_unit(patch_serve_flag, changed)
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "/m", f"--load_format={FLAG}"])
+    assert _patching.load_format_requested()
+    _patching._status["load-path"] = "skipped: test"  # a worker-side unit the API server checks for the workers
+    with pytest.raises(_patching.LoadFormatUnavailable, match="patch `load-path` needs \\(skipped: test\\)"):
+        stage_fields(load_format=FLAG)
+
+
+# --- 3. vllm-omni's Wan2.2 pipeline loads its DiTs through our path ----------------------------------------
+@contextmanager
+def cpu_platform():
+    """vllm-omni's CPU platform (ours, ``VLLM_DIFFUSION_OMNI_CPU=1``) in this process: vllm-omni resolves its
+    platform once and modules hold it as a global, so the instance is swapped in every ``vllm_omni`` module."""
+    import vllm_omni.platforms as omni_platforms
+
+    old = omni_platforms.current_omni_platform
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")
+        omni_platforms._current_omni_platform = None
+        new = omni_platforms.current_omni_platform
+        assert type(new).__name__ == "CpuOmniPlatform", type(new)
+        _patching.rebind(old, new)
+        try:
+            yield new
+        finally:
+            _patching.rebind(new, old)
+            omni_platforms._current_omni_platform = old
+
+
+@pytest.fixture(scope="module")
+def omni_world(omni):
+    """vllm-omni's parallel state for one in-process gloo rank on the CPU platform (what a DiffusionWorker sets
+    up before it loads)."""
+    import torch.distributed as dist
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm_omni.diffusion.distributed import parallel_state
+
+    config = VllmConfig()
+    method = f"tcp://127.0.0.1:{free_port()}"
+    with cpu_platform(), set_current_vllm_config(config):
+        dist.init_process_group("gloo", init_method=method, world_size=1, rank=0)
+        parallel_state.init_distributed_environment(world_size=1, rank=0, distributed_init_method=method,
+                                                    local_rank=0, backend="gloo")
+        parallel_state.initialize_model_parallel(backend="gloo")
+        try:
+            yield config
+        finally:
+            parallel_state.destroy_distributed_env()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    """A runnable tiny Wan2.2 folder (two DiTs, >= 3 shards each) and one diffusers LoRA per DiT."""
+    root = write_tiny_pipeline(tmp_path_factory.mktemp("wan22"), "wan", runnable=True)
+    high = write_tiny_lora(root.parent / "high.safetensors", build_tiny_model("wan", seed=0), seed=1)
+    low = write_tiny_lora(root.parent / "low.safetensors", build_tiny_model("wan", seed=1), seed=2)
+    return types.SimpleNamespace(root=root, high=high, low=low)
+
+
+def load_wan22(world, root: Path, **fields):
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.forward_context import set_forward_context
+
+    od_config = OmniDiffusionConfig(**stage_fields(model=str(root), model_class_name="WanPipeline", **fields))
+    loader = runner_loader(od_config)
+    with set_forward_context(vllm_config=world, omni_diffusion_config=od_config), \
+            captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
+        model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+    return model, logs
+
+
+def checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in glob.glob(str(folder / "*.safetensors")):
+        state.update(load_file(file))
+    return state
+
+
+def reference(base: dict[str, torch.Tensor], lora: Path, scale: float) -> dict[str, torch.Tensor]:
+    """``W + scale * alpha / r * B @ A`` in float64 for every LoRA target (diffusers names)."""
+    from safetensors.torch import load_file
+
+    tensors, out = load_file(str(lora)), {k: v.double() for k, v in base.items()}
+    for key in tensors:
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("transformer.").removesuffix(".lora_A.weight")
+            A, B = tensors[key].double(), tensors[key.replace("lora_A", "lora_B")].double()
+            alpha = tensors[key.replace("lora_A.weight", "alpha")].item()
+            out[f"{module}.weight"] += scale * alpha / A.shape[0] * B @ A
+    return out
+
+
+def omni_view(model_dit, name: str, rows: int) -> torch.Tensor:
+    """The rows of vllm-omni's parameter that hold the diffusers weight ``name`` (q/k/v stacked in to_qkv)."""
+    params = dict(model_dit.named_parameters())
+    for i, part in enumerate(("to_q", "to_k", "to_v")):
+        if f".attn1.{part}." in name:
+            return params[name.replace(f".attn1.{part}.", ".attn1.to_qkv.")][i * rows:(i + 1) * rows]
+    name = name.replace(".to_out.0.", ".to_out.").replace(".ffn.net.0.", ".ffn.net_0.")
+    return params[name.replace(".ffn.net.2.", ".ffn.net_2.")]
+
+
+@pytest.mark.parametrize("door", ["diffusion_hsdp", "vllm_omni_distill"])
+def test_wan22_loads_through_our_path_with_one_lora_per_dit(omni_world, wan22, door):
+    if door == "diffusion_hsdp":
+        fields = {"additional_config": {"diffusion_hsdp": {
+            "lora_path": [f"transformer={wan22.high}", f"transformer_2={wan22.low}@0.5"]}}}
+        scales = (1.0, 0.5)
+    else:  # vllm-omni's own distilled-LoRA options go through our fusion (by position, as vllm-omni assigns)
+        fields = {"lora_backend": "distill", "lora_path": [str(wan22.high), str(wan22.low)]}
+        scales = (1.0, 1.0)
+    model, logs = load_wan22(omni_world, wan22.root, load_format=FLAG, **fields)
+
+    for component, lora, scale in zip(("transformer", "transformer_2"), (wan22.high, wan22.low), scales):
+        base = checkpoint(wan22.root / component)
+        expected = reference(base, lora, scale)
+        dit = getattr(model, component)
+        fused = 0
+        for name, want in expected.items():
+            if name == "scale_shift_table":
+                continue
+            got = omni_view(dit, name, rows=want.shape[0]).double()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"{component}.{name}")
+            fused += not torch.equal(want, base[name].double())
+        assert fused == 2 * 2 * 4  # 2 blocks x 2 attentions x (to_q, to_k, to_v, to_out.0)
+        report = [m for m in logs.messages(logging.INFO) if m.startswith(f"diffusion-hsdp load report: component={component} ")]
+        assert len(report) == 1, logs.messages
+        assert f"bytes_read={sum(t.numel() * t.element_size() for t in base.values())} " in report[0]
+        assert " lora_targets=16 lora_device=cpu " in report[0]
+        assert " rank=0 world_size=1 strategy=full " in report[0]
+    if door == "vllm_omni_distill":
+        assert model.lora_is_fused  # vllm-omni's own fusion is skipped: the LoRA is not applied twice
+
+
+def test_a_missing_weight_is_an_error_naming_it(omni_world, wan22, tmp_path):
+    import json
+    import shutil
+
+    root = tmp_path / "wan22"
+    shutil.copytree(wan22.root, root)
+    index_path = root / "transformer_2" / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    dropped = "blocks.1.attn2.to_k.weight"
+    file = root / "transformer_2" / index["weight_map"].pop(dropped)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(file))
+    del tensors[dropped]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"not in the checkpoint: .*transformer_2\.blocks\.1\.attn2\.to_k\.weight"):
+        load_wan22(omni_world, root, load_format=FLAG)
+
+
+def test_a_wan_format_lora_with_bias_diffs_fuses_exactly(omni_world, wan22, tmp_path):
+    """Wan/LightX2V naming (``diffusion_model.blocks.N.self_attn.q.lora_down/up``, ``diff_b``) for transformer_2:
+    our formats resolve it against diffusers names, and bias diffs (scaled by @SCALE, as diffusers does) land in
+    the streamed bias tensors."""
+    from safetensors.torch import save_file
+
+    gen, rank, alpha = torch.Generator().manual_seed(7), 4, 8.0
+    base = checkpoint(wan22.root / "transformer_2")
+    lora, expected = {}, {k: v.double() for k, v in base.items()}
+    for block in range(2):
+        for wan, ours in (("self_attn.q", "attn1.to_q"), ("cross_attn.o", "attn2.to_out.0")):
+            weight = base[f"blocks.{block}.{ours}.weight"]
+            down = torch.randn(rank, weight.shape[1], generator=gen) * 0.1
+            up = torch.randn(weight.shape[0], rank, generator=gen) * 0.1
+            diff_b = torch.randn(weight.shape[0], generator=gen) * 0.1
+            key = f"diffusion_model.blocks.{block}.{wan}"
+            lora |= {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(alpha),
+                     f"{key}.diff_b": diff_b}
+            expected[f"blocks.{block}.{ours}.weight"] += 0.5 * alpha / rank * up.double() @ down.double()
+            expected[f"blocks.{block}.{ours}.bias"] += 0.5 * diff_b.double()  # diff_b scales with @SCALE
+    path = tmp_path / "lightx2v.safetensors"
+    save_file(lora, str(path))
+
+    model, _ = load_wan22(omni_world, wan22.root, load_format=FLAG,
+                          additional_config={"diffusion_hsdp": {"lora_path": [f"transformer_2={path}@0.5"]}})
+    for name, want in expected.items():
+        if name != "scale_shift_table":
+            got = omni_view(model.transformer_2, name, rows=want.shape[0]).double()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_several_loras_for_one_dit_stack(omni_world, wan22):
+    model, _ = load_wan22(omni_world, wan22.root, load_format=FLAG, additional_config={"diffusion_hsdp": {
+        "lora_path": [f"transformer={wan22.high}", f"transformer={wan22.high}@0.5"]}})
+    expected = reference(checkpoint(wan22.root / "transformer"), wan22.high, 1.5)
+    for name, want in expected.items():
+        if name != "scale_shift_table":
+            got = omni_view(model.transformer, name, rows=want.shape[0]).double()
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)

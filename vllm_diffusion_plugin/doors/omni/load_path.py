@@ -1,0 +1,196 @@
+"""Our load path for the DiT components of a pipeline that vllm-omni builds itself.
+
+vllm-omni builds the whole pipeline module with its own model classes (fused ``to_qkv``, ``ffn.net_0``, ...)
+and maps diffusers checkpoint names onto them in each model's ``load_weights``. We keep that skeleton and
+feed it our way, per DiT weight source (``model.weights_sources``):
+
+    resolve (our strict manifests) -> stream our reader's tensors -> fuse LoRA into each checkpoint tensor as it
+      passes (our fusion + device rule) -> vllm-omni's model.load_weights (its names, its q/k/v stacking)
+      -> strict missing-weight check
+
+LoRA deltas are resolved against a ``meta`` skeleton of the component's own diffusers class (every LoRA
+format we read: PEFT/diffusers, Wan/LightX2V, kohya), so they are keyed by *checkpoint* names: fusing before
+vllm-omni's name mapping and q/k/v stacking is exact (``W_q + s B_q A_q`` is stacked like ``W_q``) and needs
+no knowledge of vllm-omni's packing. Online quantization then quantizes the fused weights as they arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_diffusion_plugin._logging import init_logger
+
+logger = init_logger(__name__)
+
+REPORT_PREFIX = "diffusion-hsdp load report:"
+
+
+@dataclass
+class ComponentLoadReport:
+    """One DiT component on this rank (logged as one parseable INFO line)."""
+
+    component: str
+    rank: int = 0
+    world_size: int = 1
+    strategy: str = "full"
+    bytes_read: int = 0
+    tensors: int = 0
+    read_s: float = 0.0
+    lora_s: float = 0.0
+    lora_files: int = 0
+    lora_targets: int = 0
+    lora_device: str = "-"
+    lora_fallbacks: int = 0
+
+    def line(self) -> str:
+        return (f"{REPORT_PREFIX} component={self.component} rank={self.rank} world_size={self.world_size} "
+                f"strategy={self.strategy} bytes_read={self.bytes_read} tensors={self.tensors} "
+                f"read_s={self.read_s:.3f} lora_s={self.lora_s:.3f} lora_files={self.lora_files} "
+                f"lora_targets={self.lora_targets} lora_device={self.lora_device} "
+                f"lora_fallbacks={self.lora_fallbacks}")
+
+
+@dataclass
+class StreamFuser:
+    """Fuses LoRA deltas (keyed by checkpoint module names) into checkpoint tensors as they stream past.
+
+    ``deltas`` holds one mapping per LoRA file, applied in order (several files for one DiT stack, as in
+    ``lora.fuse_lora_files``). A targeted tensor is copied before it is changed (never the reader's buffer)."""
+
+    deltas: list[dict[str, Any]]
+    modules: frozenset[str]
+    """Module names of the component's diffusers class (a target not among them is a bare parameter)."""
+    dtype: torch.dtype
+    chunk_mb: int
+    stats: Any = None
+    seconds: float = 0.0
+    _by_tensor: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for per_file in self.deltas:
+            for target, delta in per_file.items():
+                if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
+                    name = f"{target}.weight" if target in self.modules else target
+                    self._by_tensor.setdefault(name, []).append((delta, "weight"))
+                if delta.bias_delta is not None:
+                    self._by_tensor.setdefault(f"{target}.bias", []).append((delta, "bias"))
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        hits = self._by_tensor.pop(name, None)
+        if hits is None:
+            return tensor
+        from vllm_diffusion_plugin.engine.lora import LoraDelta
+        from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
+
+        start = time.perf_counter()
+        # the model's precision when floating (as a fusion into the module would), and always a private copy
+        tensor = tensor.to(self.dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
+        for delta, part in hits:
+            if part == "bias":
+                with torch.no_grad():
+                    tensor.add_(delta.bias_delta.to(tensor.dtype))
+                continue
+            holder = nn.Module()
+            holder.weight = nn.Parameter(tensor, requires_grad=False)
+            stats = fuse_lora(holder, {"": LoraDelta(delta.A, delta.B, delta.scale, None, delta.full_delta,
+                                                     delta.source_keys)}, chunk_mb=self.chunk_mb, log=False)
+            self.stats = stats if self.stats is None else self.stats + stats
+            tensor = holder.weight.data
+        self.seconds += time.perf_counter() - start
+        return tensor
+
+    def check_consumed(self, component: str) -> None:
+        if self._by_tensor:
+            raise ValueError(f"LoRA targets of {component} not found among its checkpoint tensors: "
+                             f"{sorted(self._by_tensor)[:10]}")
+
+
+def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: torch.dtype, strict: bool,
+               chunk_mb: int) -> StreamFuser | None:
+    """Normalize and validate every LoRA file for ``source`` (before any weight is read)."""
+    if not lora_files:
+        return None
+    from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+
+    skeleton = build_component(source, dtype=dtype, device="meta")
+    deltas = []
+    for path, scale in lora_files:
+        lora = load_lora(path)
+        deltas.append(normalize_lora(lora.state_dict, skeleton, scale=scale, strict=strict,
+                                     adapter_config=lora.adapter_config))
+    return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
+                       chunk_mb=chunk_mb)
+
+
+@dataclass
+class DitSource:
+    """One of vllm-omni's DiT weight sources, resolved by us."""
+
+    component: str
+    prefix: str
+    source: Any
+    fuser: StreamFuser | None
+    report: ComponentLoadReport
+
+
+def component_name(omni_source: Any) -> str:
+    return omni_source.subfolder or omni_source.prefix.rstrip(".") or "transformer"
+
+
+def resolve_sources(omni_sources: Sequence[Any], *, allow_pickle: bool) -> list[Any]:
+    """Our validated ``ComponentSource`` for each of vllm-omni's sources (strict manifests)."""
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+
+    resolved = []
+    for s in omni_sources:
+        found = resolve_checkpoint(s.model_or_path, components=[s.subfolder] if s.subfolder else None,
+                                   allow_pickle=allow_pickle, revision=s.revision)
+        if len(found) != 1:
+            raise ValueError(f"{s.model_or_path} (subfolder {s.subfolder!r}) resolves to {len(found)} components")
+        resolved.append(found[0])
+    return resolved
+
+
+def stream(dits: Iterable[DitSource]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every DiT's tensors, prefixed with vllm-omni's source prefix, LoRA fused; counts bytes per component."""
+    from vllm_diffusion_plugin.engine.weights import LoadStats, iterate_weights
+
+    for dit in dits:
+        stats, start = LoadStats(), time.perf_counter()
+        for name, tensor in iterate_weights(dit.source, stats=stats):
+            if dit.fuser is not None:
+                tensor = dit.fuser(name, tensor)
+            yield dit.prefix + name, tensor
+        dit.report.bytes_read, dit.report.tensors = stats.total_bytes, stats.tensors
+        if dit.fuser is not None:
+            dit.fuser.check_consumed(dit.component)
+            dit.report.lora_s = dit.fuser.seconds
+            if dit.fuser.stats is not None:
+                dit.report.lora_targets = dit.fuser.stats.targets
+                dit.report.lora_device = dit.fuser.stats.compute_device
+                dit.report.lora_fallbacks = dit.fuser.stats.fallbacks
+        dit.report.read_s = time.perf_counter() - start - dit.report.lora_s
+
+
+def check_loaded(model: nn.Module, expected: set[str], loaded: set[str] | None, *, quantized: bool,
+                 exempt_suffixes: tuple[str, ...]) -> None:
+    """Our strict rule on vllm-omni's names: every expected parameter loaded (quant-only scales excepted)."""
+    from vllm_diffusion_plugin.engine.weights import WeightLoadError
+
+    if loaded is None:
+        raise WeightLoadError(f"{type(model).__name__}.load_weights returned no loaded-weight names; "
+                              f"--load-format diffusion-hsdp cannot check that every weight was loaded")
+    missing = expected - loaded
+    if quantized:
+        missing = {n for n in missing if not n.endswith(exempt_suffixes)}
+    if missing:
+        listing = ", ".join(sorted(missing)[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")
+        raise WeightLoadError(f"{len(missing)} parameter(s) of {type(model).__name__} were not in the checkpoint: "
+                              f"{listing}")

@@ -1,0 +1,105 @@
+"""Patch: ``--load-format diffusion-hsdp`` on ``vllm serve --omni`` reaches vllm-omni's diffusion workers.
+
+Why. vllm-omni accepts ``--load-format`` under ``--omni`` and stores it in the stage's load config, then drops
+it: ``build_diffusion_config`` keeps only the fields ``OmniDiffusionConfig`` declares (none is the load
+format), and the diffusion model runner builds ``LoadConfig()`` (``load_format='auto'``). Without this patch
+the flag does nothing, with or without the plugin. ``--model-loader-extra-config`` is refused under
+``--omni``, so our options cannot travel that way either; ``additional_config`` does reach every worker.
+
+How. ``vllm_omni.config.omni_config.extract_diffusion_stage_config_kwargs`` (the one place that turns a
+stage's mixed engine arguments into ``OmniDiffusionConfig`` fields; ``build_diffusion_config`` and the
+offline path import it from this module at call time) is wrapped. When the stage's ``load_format`` is
+``diffusion-hsdp``, in the process that builds the stage (the API server, before any worker starts):
+
+1. our options are parsed from ``additional_config["diffusion_hsdp"]`` (``serve_options.omni_options``:
+   unknown keys / wrong types raise naming the key) and checked against vllm-omni's own options
+   (``serve_options.check_supported``);
+2. vllm-omni's diffusion loader module is imported here and the worker-side units (``load-format``,
+   ``postprocess``, ``load-path``) must be applied -- the same vllm-omni is installed for the workers, so a
+   shape they would not recognize stops the server now (:class:`_patching.LoadFormatUnavailable`);
+3. ``additional_config["diffusion_hsdp_load_format"] = "diffusion-hsdp"`` is added to the returned fields;
+   ``patch_load_path`` reads it in each worker and gives vllm-omni's loader a load config with our format.
+
+``diffusion_hsdp`` options without the flag are an error (they would otherwise be ignored). Any other load
+format goes through untouched.
+
+Versions. Recognized shape: ``extract_diffusion_stage_config_kwargs(kwargs, *, stage_id, ...)`` returning a
+dict (0.30). Unrecognized with the flag on the command line: the server stops at startup (``_patching``).
+
+Remove when vllm-omni's ``OmniDiffusionConfig`` carries the stage's load format and load config to the
+runner's ``LoadConfig(...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni._patching import (
+    UnrecognizedShape,
+    is_patched,
+    mark,
+    require_applied,
+    require_attr,
+    require_params,
+)
+
+logger = init_logger(__name__)
+
+NAME = "serve-flag"
+TARGET = "vllm_omni.config.omni_config"
+FUNCTION = "extract_diffusion_stage_config_kwargs"
+REQUIRED_BY_LOAD_FORMAT = True
+WORKER_MODULE = "vllm_omni.diffusion.model_loader.diffusers_loader"
+WORKER_UNITS = ("load-format", "postprocess", "load-path")
+
+
+def apply(module: Any) -> str:
+    where = f"{module.__name__}.{FUNCTION}"
+    original = require_attr(module, FUNCTION, module.__name__)
+    if is_patched(original):
+        return "already applied"
+    signature = require_params(original, ("kwargs",), where)
+    if "stage_id" not in signature.parameters:
+        raise UnrecognizedShape(f"{where}{signature} has no stage_id parameter")
+    setattr(module, FUNCTION, mark(_wrap(original), unit=NAME, original=original))
+    return "applied"
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def extract_diffusion_stage_config_kwargs(kwargs, *args, **kw):
+        result = original(kwargs, *args, **kw)
+        return carry_load_format(kwargs.get("load_format"), result)
+
+    return extract_diffusion_stage_config_kwargs
+
+
+def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check."""
+    from vllm_diffusion_plugin import LOAD_FORMAT
+    from vllm_diffusion_plugin.doors.omni import serve_options
+
+    additional = dict(diffusion_kwargs.get("additional_config") or {})
+    ours = isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
+    if not ours:
+        if serve_options.OPTIONS_KEY in additional:
+            raise ValueError(f"--additional-config key {serve_options.OPTIONS_KEY!r} is read only with "
+                             f"--load-format {LOAD_FORMAT} (this stage's load format: {load_format!r})")
+        return diffusion_kwargs
+    options = serve_options.omni_options(additional)
+    serve_options.check_supported(options, diffusion_kwargs)
+    _require_worker_units()
+    additional[serve_options.CARRIED_KEY] = LOAD_FORMAT
+    logger.info("--load-format %s: carried to vllm-omni's diffusion workers (hsdp_weight_load=%s, %d LoRA "
+                "file(s))", LOAD_FORMAT, serve_options.weight_load_strategy(options, diffusion_kwargs),
+                len(options.lora_path))
+    return {**diffusion_kwargs, "additional_config": additional}
+
+
+def _require_worker_units() -> None:
+    import importlib
+
+    importlib.import_module(WORKER_MODULE)  # runs the worker-side units here, as in every worker
+    require_applied(WORKER_UNITS)

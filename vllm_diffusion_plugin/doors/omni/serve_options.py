@@ -1,0 +1,116 @@
+"""Options of ``--load-format diffusion-hsdp`` under ``vllm serve --omni``, and what that door supports.
+
+vllm-omni refuses ``--model-loader-extra-config`` and drops the stage's load format on the way to its
+diffusion workers (``build_diffusion_config`` keeps only ``OmniDiffusionConfig`` fields). Options therefore
+travel in ``--additional-config '{"diffusion_hsdp": {...}}'`` -- the same keys, types and ``VLLM_DIFFUSION_*``
+env fallbacks as ``--model-loader-extra-config`` (``config.LoadOptions``) -- and the load format itself is
+carried to the workers under :data:`CARRIED_KEY` of the same ``additional_config`` (``patch_serve_flag``).
+
+Everything here is checked twice: in the API server (``patch_serve_flag``, before any worker starts) and in
+each worker before the first weight is read (``patch_load_path``), so an offline ``Omni(...)`` gets the same
+refusals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+OPTIONS_KEY = "diffusion_hsdp"
+"""The ``--additional-config`` key holding our options."""
+CARRIED_KEY = "diffusion_hsdp_load_format"
+"""Set by ``patch_serve_flag`` in ``additional_config`` when the stage's ``--load-format`` is ours."""
+ORIGIN = "--additional-config diffusion_hsdp"
+
+UNSUPPORTED_KEYS = {
+    "hsdp_block_pattern": "vllm-omni shards each DiT by its own _hsdp_shard_conditions",
+    "hsdp_broadcast_bucket_mb": "vllm-omni's broadcast uses its own 256 MiB buckets",
+    "hsdp_broadcast_timeout_s": "vllm-omni's broadcast uses its process group's timeout",
+    "strict_unexpected": "vllm-omni's model load_weights skips checkpoint keys it has no place for",
+}
+"""Keys with no effect under vllm-omni: a non-default value is an error naming the key and why."""
+
+STRATEGIES = ("full", "broadcast")
+"""``hsdp_weight_load`` values this door carries (``rank_local``: see :func:`refusals`)."""
+
+OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload", "enable_distributed_layerwise_offload")
+
+
+def omni_options(additional_config: Mapping[str, Any] | None, *, origin: str = ORIGIN):
+    """Our ``LoadOptions`` from ``additional_config[OPTIONS_KEY]`` (env fallbacks apply), or raise naming the key."""
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+
+    raw = (additional_config or {}).get(OPTIONS_KEY) or {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"{origin} must be a JSON object of load options, got {type(raw).__name__} {raw!r}")
+    options = LoadOptions.from_extra_config(raw, origin=origin)
+    _check_lora_files(options)
+    defaults = LoadOptions()
+    for key, why in UNSUPPORTED_KEYS.items():
+        if getattr(options, key) != getattr(defaults, key):
+            raise ValueError(f"{origin} key {key!r} (= {getattr(options, key)!r}) has no effect under vllm-omni: "
+                             f"{why}; remove it")
+    return options
+
+
+def _check_lora_files(options: Any) -> None:
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+
+    for text in options.lora_path:
+        spec = LoraSpec.parse(text, default_scale=options.lora_scale)
+        if not spec.path.is_file():
+            raise FileNotFoundError(f"lora_path entry {text!r}: LoRA file {spec.path} does not exist")
+
+
+def carried(od_config: Any) -> bool:
+    """Whether vllm-omni's diffusion config carries ``--load-format diffusion-hsdp`` (see ``patch_serve_flag``)."""
+    from vllm_diffusion_plugin import LOAD_FORMAT
+
+    additional = getattr(od_config, "additional_config", None) or {}
+    return isinstance(additional, Mapping) and additional.get(CARRIED_KEY) == LOAD_FORMAT
+
+
+def weight_load_strategy(options: Any, od_config: Any) -> str:
+    """Ours (``hsdp_weight_load``), except that the default ``full`` gives way to vllm-omni's own
+    ``--enable-broadcast-weight-load`` (which means ``broadcast``)."""
+    if options.hsdp_weight_load == "full" and bool(_get(od_config, "enable_broadcast_weight_load", False)):
+        return "broadcast"
+    return options.hsdp_weight_load
+
+
+def refusals(options: Any, od_config: Any) -> list[str]:
+    """Every combination of our options with vllm-omni's that this door does not carry (empty: all fine).
+
+    ``od_config`` is vllm-omni's ``OmniDiffusionConfig`` or the mapping of its fields (API server)."""
+    problems = []
+    strategy = weight_load_strategy(options, od_config)
+    if strategy not in STRATEGIES:
+        problems.append(f"hsdp_weight_load={strategy!r} is not available under vllm-omni yet (its DiTs stack "
+                        f"q/k/v into one parameter, so a rank's rows span several checkpoint tensors); use "
+                        f"{' or '.join(map(repr, STRATEGIES))}")
+    for name in OFFLOAD_FIELDS:
+        if _get(od_config, name, False):
+            problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")
+    if str(_get(od_config, "host_weight_runtime_mode", "disabled") or "disabled") != "disabled":
+        problems.append("vllm-omni's host_weight_runtime_mode (the host weight runtime)")
+    pipeline_format = _get(od_config, "diffusion_load_format", "default") or "default"
+    if pipeline_format in ("diffusers", "dummy"):
+        problems.append(f"vllm-omni's --diffusion-load-format {pipeline_format} (its pipeline reads no DiT "
+                        f"weights through the loader)")
+    if _get(od_config, "diffusion_offload_config", None):
+        problems.append("vllm-omni's diffusion_offload_config (offload plans)")
+    return problems
+
+
+def check_supported(options: Any, od_config: Any) -> None:
+    """Raise one error listing every combination :func:`refusals` finds."""
+    problems = refusals(options, od_config)
+    if problems:
+        raise ValueError("--load-format diffusion-hsdp under vllm-omni cannot be combined with: "
+                         + "; ".join(problems) + ". Drop them or serve without --load-format diffusion-hsdp")
+
+
+def _get(config: Any, name: str, default: Any) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
