@@ -68,6 +68,7 @@ class StreamFuser:
     """Module names of the component's diffusers class (a target not among them is a bare parameter)."""
     dtype: torch.dtype
     chunk_mb: int
+    check_finite: bool = False
     stats: Any = None
     seconds: float = 0.0
     _by_tensor: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
@@ -99,7 +100,8 @@ class StreamFuser:
             holder = nn.Module()
             holder.weight = nn.Parameter(tensor, requires_grad=False)
             stats = fuse_lora(holder, {"": LoraDelta(delta.A, delta.B, delta.scale, None, delta.full_delta,
-                                                     delta.source_keys)}, chunk_mb=self.chunk_mb, log=False)
+                                                     delta.source_keys)}, chunk_mb=self.chunk_mb,
+                              check_finite=self.check_finite, log=False)
             self.stats = stats if self.stats is None else self.stats + stats
             tensor = holder.weight.data
         self.seconds += time.perf_counter() - start
@@ -112,7 +114,7 @@ class StreamFuser:
 
 
 def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: torch.dtype, strict: bool,
-               chunk_mb: int) -> StreamFuser | None:
+               chunk_mb: int, check_finite: bool = False) -> StreamFuser | None:
     """Normalize and validate every LoRA file for ``source`` (before any weight is read)."""
     if not lora_files:
         return None
@@ -126,7 +128,7 @@ def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: t
         deltas.append(normalize_lora(lora.state_dict, skeleton, scale=scale, strict=strict,
                                      adapter_config=lora.adapter_config))
     return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
-                       chunk_mb=chunk_mb)
+                       chunk_mb=chunk_mb, check_finite=check_finite)
 
 
 @dataclass

@@ -192,7 +192,8 @@ def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_c
         report = load_path.ComponentLoadReport(component=name, rank=world.rank, world_size=world.world_size,
                                                strategy=state["strategy"], lora_files=len(files))
         fuser = load_path.lora_fuser(source, files, dtype=loader.od_config.dtype, strict=options.lora_strict,
-                                     chunk_mb=options.lora_device_chunk_mb)
+                                     chunk_mb=options.lora_device_chunk_mb,
+                                     check_finite=options.lora_check_finite)
         dits.append(load_path.DitSource(name, s.prefix, source, fuser, report))
         state["reports"][name] = report
     expected = loader._get_expected_parameter_names(model)
