@@ -9,10 +9,12 @@ string. Every import is lazy: importing this module costs nothing.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
-TESTED_VLLM = ">=0.33.0,<0.34"
+TESTED_VLLM = ">=0.30.0,<0.35"
+"""The vLLM releases this plugin is tested with: 0.30 (with vllm-omni 0.30) and 0.34, the two ends."""
 
 
 class VllmCompatError(RuntimeError):
@@ -80,6 +82,72 @@ def is_deferred_attention_layer() -> Callable[[Any], bool]:
     on a vLLM without it, a predicate that is always False (no such layers exist there)."""
     found = _optional("vllm.model_executor.layers.attention", "is_deferred_attention_layer")
     return found if found is not None else (lambda layer: False)
+
+
+def post_load_hooks_on_every_module() -> bool:
+    """Whether vLLM's post-load processing runs *every* module's ``process_weights_after_loading()`` hook,
+    children first (vLLM 0.34+: ``weight_utils.finalize_model_weights``), rather than only the deferred
+    attention layers' and the root model's (vLLM 0.30-0.33)."""
+    return _optional("vllm.model_executor.model_loader.weight_utils", "finalize_model_weights") is not None
+
+
+def post_load_hook_modules(model: Any) -> Iterator[tuple[str, Any]]:
+    """The ``(name, module)`` pairs whose own ``process_weights_after_loading`` hook vLLM's post-load
+    processing runs, in vLLM's order.
+
+    vLLM 0.34+ (``finalize_model_weights``): every module with a callable hook, each after all of its
+    submodules, a module shared by several parents once; the submodules of a layer with a ``quant_method``
+    and quant methods themselves are left to the quant method. vLLM 0.30-0.33: the deferred attention layers
+    (``is_deferred_attention_layer``) in module order, then the root model.
+    """
+    if not post_load_hooks_on_every_module():
+        is_attention = is_deferred_attention_layer()
+        yield from ((n, m) for n, m in model.named_modules() if is_attention(m))
+        if callable(getattr(model, "process_weights_after_loading", None)):
+            yield "", model
+        return
+    quant_base = quantize_method_base()
+    seen: set[int] = set()
+
+    def children_first(name: str, module: Any) -> Iterator[tuple[str, Any]]:
+        if not isinstance(getattr(module, "quant_method", None), quant_base):
+            for child_name, child in module.named_children():
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    yield from children_first(f"{name}.{child_name}" if name else child_name, child)
+        yield name, module
+
+    for name, module in children_first("", model):
+        if not isinstance(module, quant_base) and callable(getattr(module, "process_weights_after_loading", None)):
+            yield name, module
+
+
+def post_load_hook_takes_act_dtype(module: Any, *, name: str) -> bool:
+    """Whether ``module.process_weights_after_loading`` takes the activation dtype: ``(self, act_dtype)``
+    (vLLM 0.29-0.33 attention layers) or ``(self)`` (vLLM 0.34 attention layers, every other module hook)."""
+    try:
+        params = [p for p in inspect.signature(module.process_weights_after_loading).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):  # no introspectable signature: call it as vLLM 0.34 does
+        return False
+    if len(params) > 1:
+        raise VllmCompatError(
+            f"vLLM {vllm_version()}: {type(module).__name__}.process_weights_after_loading of layer "
+            f"{name or '<root>'} takes ({', '.join(p.name for p in params)}); vllm-diffusion-plugin knows the "
+            f"forms () (vLLM 0.34) and (act_dtype) (vLLM 0.30-0.33) and is tested with vllm{TESTED_VLLM}")
+    return bool(params)
+
+
+def run_post_load_hook(module: Any, act_dtype: Any, *, name: str) -> None:
+    """Call ``module.process_weights_after_loading`` in the form this vLLM defines (see
+    ``post_load_hook_takes_act_dtype``); ``act_dtype`` None where the hook needs one is an error."""
+    if not post_load_hook_takes_act_dtype(module, name=name):
+        module.process_weights_after_loading()
+        return
+    if act_dtype is None:
+        raise ValueError(f"model_config is required: {type(module).__name__}.process_weights_after_loading of "
+                         f"layer {name or '<root>'} needs the activation dtype (model_config.dtype)")
+    module.process_weights_after_loading(act_dtype)
 
 
 def register_env_vars(names: list[str]) -> bool:
