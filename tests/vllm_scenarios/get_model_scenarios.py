@@ -29,6 +29,8 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 
+from cpu_ops import ensure_cpu_ops  # noqa: E402  (next to this file)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -55,6 +57,7 @@ def reload_in_place(vc, model) -> None:
 
 
 def main(spec_path: str, out_dir: str) -> None:
+    ensure_cpu_ops()  # vLLM 0.30-0.32 with the PyPI wheel on a CPU host: see cpu_ops.py
     load_general_plugins()  # discovers and runs our entry point, as every vLLM process does
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
