@@ -455,6 +455,20 @@ def test_module_hooks_run_as_vllms_own_post_load_processing():
     assert ours == theirs  # each hook once
 
 
+def test_direct_reload_mode_records_the_checkpoint_layout_as_vllm_does(monkeypatch):
+    """vLLM 0.34, ``VLLM_RELOAD_MODE=direct``: post-load processing records each tensor's checkpoint layout,
+    without which vLLM's direct reload refuses ("no checkpoint layout was recorded")."""
+    direct = pytest.importorskip("vllm.model_executor.model_loader.reload.direct",
+                                 reason="this vLLM has no direct in-place reload (added in 0.34)")
+    monkeypatch.setenv("VLLM_RELOAD_MODE", "direct")
+    assert direct.direct_reload_enabled()
+    model = nn.Module()
+    model.layer = QuantLinear(RecordingScaleMethod(), 4, 3)
+    process_weights_after_loading(model, "cpu")
+    assert hasattr(model, "_ckpt_param_names") and hasattr(model.layer.weight, "_ckpt")
+    direct.begin_direct_reload(model)  # vLLM's own check that the record is there and usable
+
+
 def test_meta_parameter_without_online_quant_is_named():
     model = nn.Module()
     model.layer = QuantLinear(RecordingScaleMethod(), 4, 3)

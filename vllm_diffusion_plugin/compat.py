@@ -4,6 +4,20 @@ vLLM's loader internals move between releases. Everything the plugin takes from 
 module, so a drift breaks one place with a message naming the vLLM version and the missing API, instead of
 an ``ImportError`` deep inside a load. Checks are by feature (does the module/attribute exist), not by version
 string. Every import is lazy: importing this module costs nothing.
+
+What drifts within the supported range (vLLM 0.30-0.34), and the shim that serves each version:
+
+- attention post-load hook: ``process_weights_after_loading(act_dtype)`` on 0.30-0.33, ``()`` on 0.34
+  (``post_load_hook_takes_act_dtype`` / ``run_post_load_hook``, by signature);
+- which modules' own post-load hooks vLLM runs: the deferred attention layers and the model on 0.30-0.33,
+  every module children first on 0.34 (``post_load_hooks_on_every_module`` / ``post_load_hook_modules``, by
+  the presence of ``weight_utils.finalize_model_weights``);
+- ``record_checkpoint_layout_for_direct_reload``: 0.34's ``VLLM_RELOAD_MODE=direct`` bookkeeping, before
+  post-load processing; nothing to do on 0.30-0.33 (no direct reload);
+- ``configure_vllm_logging``: a no-op on 0.30 (no ``configure_logging_if_needed`` / ``LoggingConfig``);
+- ``BaseModelLoader.get_all_weights`` (0.34 in-place reload) needs no shim: ``DiffusionHSDPLoader`` defines
+  it, and older vLLMs never call it.
+Everything else taken from vLLM here has the same name and signature in 0.30-0.34 (read from the wheels).
 """
 
 from __future__ import annotations
@@ -120,6 +134,19 @@ def post_load_hook_modules(model: Any) -> Iterator[tuple[str, Any]]:
     for name, module in children_first("", model):
         if not isinstance(module, quant_base) and callable(getattr(module, "process_weights_after_loading", None)):
             yield name, module
+
+
+def record_checkpoint_layout_for_direct_reload(model: Any) -> bool:
+    """vLLM 0.34 with ``VLLM_RELOAD_MODE=direct``: record each tensor's checkpoint layout before post-load
+    processing (``reload.direct.record_checkpoint_layout``), as vLLM's own post-load processing does, so a
+    later direct in-place reload can write checkpoint bytes back. Returns whether it recorded (False on a
+    vLLM without direct reload, or with it off)."""
+    enabled = _optional("vllm.model_executor.model_loader.reload.direct", "direct_reload_enabled")
+    record = _optional("vllm.model_executor.model_loader.reload.direct", "record_checkpoint_layout")
+    if enabled is None or record is None or not enabled():
+        return False
+    record(model)
+    return True
 
 
 def post_load_hook_takes_act_dtype(module: Any, *, name: str) -> bool:

@@ -92,6 +92,7 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
             logger.warning("After finalize, %d parameters are still on meta (e.g. %s); their quant methods "
                            "must materialize them.", len(stragglers), ", ".join(stragglers[:4]))
 
+    compat.record_checkpoint_layout_for_direct_reload(model)  # vLLM 0.34 VLLM_RELOAD_MODE=direct, as vLLM does
     quant_base = compat.quantize_method_base()
     processed: list[str] = []
     skipped: list[str] = []
