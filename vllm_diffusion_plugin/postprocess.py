@@ -121,7 +121,7 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
     dtype = getattr(model_config, "dtype", None)
     for name, module in hooks:
         attention = is_attention(module)  # as in vLLM, only attention hooks get their weights on the device
-        sharded = _dtensor_names(module) if attention else set()
+        sharded = _dtensor_names(module)
         with _placement(module, name, target, online, needed=attention):
             compat.run_post_load_hook(module, dtype, name=name)
         if sharded:
