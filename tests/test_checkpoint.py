@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_diffusion_plugin.checkpoint import (
+from vllm_diffusion_plugin.engine.checkpoint import (
     CheckpointError,
     ComponentSource,
     read_safetensors_header,

@@ -67,7 +67,7 @@ def _free_port() -> int:
 
 def _options(args: argparse.Namespace):
     """LoadOptions from the flags; keys without a flag fall back to their VLLM_DIFFUSION_* variables."""
-    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.engine.config import LoadOptions
 
     extra = {"lora_scale": args.lora_scale}
     if args.allow_pickle:  # unset: VLLM_DIFFUSION_ALLOW_PICKLE decides
@@ -79,10 +79,10 @@ def _options(args: argparse.Namespace):
 
 def _validate(args: argparse.Namespace, world_size: int) -> None:
     """Every check that needs no weights, in the launching process, before any rank starts."""
-    from vllm_diffusion_plugin.checkpoint import is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.distributed_load import check_strategy
-    from vllm_diffusion_plugin.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.strategies import check_strategy
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -128,10 +128,11 @@ def _rank_main(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin import compat, platform
-    from vllm_diffusion_plugin.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.pipeline import LoraSpec, load_components, resolve_target_device, save_components
-    from vllm_diffusion_plugin.report import merge_ranks
+    from vllm_diffusion_plugin import compat
+    from vllm_diffusion_plugin.engine import platform
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, resolve_target_device, save_components
+    from vllm_diffusion_plugin.engine.report import merge_ranks
 
     compat.configure_vllm_logging()
     device = resolve_target_device(args.device)
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     # Logs go to stderr so that --json output on stdout stays parseable.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
-    from vllm_diffusion_plugin.report import format_table
+    from vllm_diffusion_plugin.engine.report import format_table
 
     try:
         merged = run_demo(args) if args.command == "demo" else run_load(args)

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora.formats import LoraDelta, load_lora, normalize_lora
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora.normal import LoraDelta, normalize_lora
+from vllm_diffusion_plugin.engine.lora.peft import load_lora
 
 logger = init_logger(__name__)
 
