@@ -358,6 +358,117 @@ def test_vllm_attention_like_layers_need_model_config():
     assert model.attn.dtypes == [torch.bfloat16]  # not processed twice
 
 
+def test_vllm_034_attention_hook_without_act_dtype_runs():
+    """vLLM 0.34 dropped ``act_dtype`` from the attention hook: passing ``model_config.dtype`` is a TypeError."""
+    from vllm.model_executor.layers.attention import Attention
+
+    class NoArgAttention(Attention):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.calls = 0
+
+        def process_weights_after_loading(self):
+            self.calls += 1
+
+    class Config:
+        dtype = torch.bfloat16
+
+    model = nn.Module()
+    model.attn = NoArgAttention()
+    report = process_weights_after_loading(model, "cpu", Config())
+    assert report.attention_layers == ("attn",) and model.attn.calls == 1
+    model.other = NoArgAttention()
+    process_weights_after_loading(model, "cpu")  # no act_dtype needed: no model_config needed
+    assert model.other.calls == 1 and model.attn.calls == 1
+
+
+def test_unknown_attention_hook_form_names_the_vllm_version():
+    from vllm.model_executor.layers.attention import Attention
+
+    class TwoArgAttention(Attention):
+        def __init__(self):
+            nn.Module.__init__(self)
+
+        def process_weights_after_loading(self, act_dtype, something):
+            raise AssertionError("must not be called")
+
+    model = nn.Module()
+    model.attn = TwoArgAttention()
+    with pytest.raises(compat.VllmCompatError, match=rf"vLLM {compat.vllm_version()}: .* layer attn takes "
+                                                     r"\(act_dtype, something\)"):
+        process_weights_after_loading(model, "cpu", object())
+
+
+def hooked_model(log: list[str]) -> nn.Module:
+    """Modules with their own post-load hooks at every depth: an attention layer, plain modules, a module
+    shared by two parents, a quantized layer with a hooked child (its quant method owns that child)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    class Hooked(nn.Module):
+        def __init__(self, tag: str):
+            super().__init__()
+            self.tag = tag
+            self.weight = nn.Parameter(torch.ones(2))
+
+        def process_weights_after_loading(self):
+            log.append(self.tag)
+
+    class Attn(Attention):
+        def __init__(self):
+            nn.Module.__init__(self)
+
+        def process_weights_after_loading(self, *act_dtype):  # either vLLM form
+            log.append("attn")
+
+    model = Hooked("root")
+    model.block = Hooked("block")
+    model.block.inner = Hooked("inner")
+    model.block.attn = Attn()
+    model.other = nn.Module()
+    model.other.shared = model.block.inner
+    model.other.leaf = Hooked("leaf")
+    model.quant = QuantLinear(RecordingScaleMethod(), 4, 3)
+    model.quant.child = Hooked("quant-child")
+    return model
+
+
+def test_module_hooks_run_as_vllms_own_post_load_processing():
+    """The same hooks, in the same order, as vLLM's own ``process_weights_after_loading`` of the installed
+    vLLM: the attention layers then the model (0.30-0.33); every module, children first (0.34)."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading as vllm_process
+
+    class Config:
+        dtype = torch.float32
+        quantization = None
+        word_embeddings_untied_by_checkpoint = False
+        model = "hooked"
+
+    theirs: list[str] = []
+    vllm_process(hooked_model(theirs), Config(), torch.device("cpu"))
+    ours: list[str] = []
+    model = hooked_model(ours)
+    report = process_weights_after_loading(model, "cpu", Config())
+    assert ours == theirs
+    assert ("inner" in theirs) == compat.post_load_hooks_on_every_module()
+    assert report.hooks[-1] == "<root>" and report.attention_layers == ("block.attn",)
+    process_weights_after_loading(model, "cpu", Config())
+    assert ours == theirs  # each hook once
+
+
+def test_direct_reload_mode_records_the_checkpoint_layout_as_vllm_does(monkeypatch):
+    """vLLM 0.34, ``VLLM_RELOAD_MODE=direct``: post-load processing records each tensor's checkpoint layout,
+    without which vLLM's direct reload refuses ("no checkpoint layout was recorded")."""
+    direct = pytest.importorskip("vllm.model_executor.model_loader.reload.direct",
+                                 reason="this vLLM has no direct in-place reload (added in 0.34)")
+    monkeypatch.setenv("VLLM_RELOAD_MODE", "direct")
+    assert direct.direct_reload_enabled()
+    model = nn.Module()
+    model.layer = QuantLinear(RecordingScaleMethod(), 4, 3)
+    process_weights_after_loading(model, "cpu")
+    assert hasattr(model, "_ckpt_param_names") and hasattr(model.layer.weight, "_ckpt")
+    direct.begin_direct_reload(model)  # vLLM's own check that the record is there and usable
+
+
 def test_meta_parameter_without_online_quant_is_named():
     model = nn.Module()
     model.layer = QuantLinear(RecordingScaleMethod(), 4, 3)

@@ -7,6 +7,7 @@ real LM head and logits processor). The token-level proof through a served model
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,9 @@ def results(tmp_path_factory):
          "extra": {"lora_path": str(paths["lora"])}},
         {"name": "ours_hsdp", "model": str(paths["base"]), "load_format": "diffusion-hsdp",
          "extra": {"hsdp_block_pattern": r"model\.layers\.\d+"}},
+        {"name": "ours_reload", "model": str(paths["base"]), "load_format": "diffusion-hsdp", "reload": True},
+        {"name": "ours_lora_reload", "model": str(paths["base"]), "load_format": "diffusion-hsdp", "reload": True,
+         "extra": {"lora_path": str(paths["lora"])}},
         {"name": "bad_key", "model": str(paths["base"]), "load_format": "diffusion-hsdp",
          "extra": {"lora_paht": str(paths["lora"])}},
         {"name": "bad_type", "model": str(paths["base"]), "load_format": "diffusion-hsdp",
@@ -90,6 +94,33 @@ def test_hsdp_when_extra_config_names_a_block_pattern(results):
         assert torch.equal(tensor, ours["params"][name]), name
 
 
+def reloaded(result: dict) -> dict:
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    return ok(result)
+
+
+def test_in_place_reload_gives_the_first_load_back(results):
+    """vLLM 0.34's own reload path (reload_weights -> our get_all_weights -> model.load_weights -> vLLM's
+    post-load processing) on a model whose every parameter was zeroed first."""
+    default, ours = ok(results["default_base"]), reloaded(results["ours_reload"])
+    assert default["params"].keys() == ours["params"].keys()
+    for name, tensor in default["params"].items():
+        assert torch.equal(tensor, ours["params"][name]), name
+    assert torch.equal(default["logits"], ours["logits"])
+
+
+def test_in_place_reload_of_a_lora_fused_model_is_refused(results):
+    """A reload streams base weights: the LoRA fused at load would silently be gone. Refused, naming why."""
+    result = results["ours_lora_reload"]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    assert result.get("error_type") == "NotImplementedError", result
+    assert re.search(r"in-place weight reload of a model loaded with lora_path .* would be dropped",
+                     result["error"]), result["error"]
+    assert "get_all_weights" in result["traceback"]
+
+
 @pytest.mark.parametrize("name, error_type, match", [
     ("bad_key", "ValueError", r"Unknown key\(s\) 'lora_paht'.*known keys: allow_pickle"),
     ("bad_type", "TypeError", r"'lora_scale' must be a number, got str '0.5'"),
@@ -97,8 +128,6 @@ def test_hsdp_when_extra_config_names_a_block_pattern(results):
     ("missing_lora", "FileNotFoundError", r"lora_path .*nope.safetensors does not exist"),
 ])
 def test_bad_extra_config_fails_before_any_weight_is_read(results, name, error_type, match):
-    import re
-
     result = results[name]
     assert result.get("error_type") == error_type, result
     assert re.search(match, result["error"]), result["error"]

@@ -4,15 +4,31 @@ vLLM's loader internals move between releases. Everything the plugin takes from 
 module, so a drift breaks one place with a message naming the vLLM version and the missing API, instead of
 an ``ImportError`` deep inside a load. Checks are by feature (does the module/attribute exist), not by version
 string. Every import is lazy: importing this module costs nothing.
+
+What drifts within the supported range (vLLM 0.30-0.34), and the shim that serves each version:
+
+- attention post-load hook: ``process_weights_after_loading(act_dtype)`` on 0.30-0.33, ``()`` on 0.34
+  (``post_load_hook_takes_act_dtype`` / ``run_post_load_hook``, by signature);
+- which modules' own post-load hooks vLLM runs: the deferred attention layers and the model on 0.30-0.33,
+  every module children first on 0.34 (``post_load_hooks_on_every_module`` / ``post_load_hook_modules``, by
+  the presence of ``weight_utils.finalize_model_weights``);
+- ``record_checkpoint_layout_for_direct_reload``: 0.34's ``VLLM_RELOAD_MODE=direct`` bookkeeping, before
+  post-load processing; nothing to do on 0.30-0.33 (no direct reload);
+- ``configure_vllm_logging``: a no-op on 0.30 (no ``configure_logging_if_needed`` / ``LoggingConfig``);
+- ``BaseModelLoader.get_all_weights`` (0.34 in-place reload) needs no shim: ``DiffusionHSDPLoader`` defines
+  it, and older vLLMs never call it.
+Everything else taken from vLLM here has the same name and signature in 0.30-0.34 (read from the wheels).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
-TESTED_VLLM = ">=0.33.0,<0.34"
+TESTED_VLLM = ">=0.30.0,<0.35"
+"""The vLLM releases this plugin is tested with: 0.30 (with vllm-omni 0.30) and 0.34, the two ends."""
 
 
 class VllmCompatError(RuntimeError):
@@ -95,6 +111,85 @@ def may_hold_vllm_layers(model: Any) -> bool:
                                        for cls in type(obj).__mro__):
                 return True
     return False
+
+
+def post_load_hooks_on_every_module() -> bool:
+    """Whether vLLM's post-load processing runs *every* module's ``process_weights_after_loading()`` hook,
+    children first (vLLM 0.34+: ``weight_utils.finalize_model_weights``), rather than only the deferred
+    attention layers' and the root model's (vLLM 0.30-0.33)."""
+    return _optional("vllm.model_executor.model_loader.weight_utils", "finalize_model_weights") is not None
+
+
+def post_load_hook_modules(model: Any) -> Iterator[tuple[str, Any]]:
+    """The ``(name, module)`` pairs whose own ``process_weights_after_loading`` hook vLLM's post-load
+    processing runs, in vLLM's order.
+
+    vLLM 0.34+ (``finalize_model_weights``): every module with a callable hook, each after all of its
+    submodules, a module shared by several parents once; the submodules of a layer with a ``quant_method``
+    and quant methods themselves are left to the quant method. vLLM 0.30-0.33: the deferred attention layers
+    (``is_deferred_attention_layer``) in module order, then the root model.
+    """
+    if not post_load_hooks_on_every_module():
+        is_attention = is_deferred_attention_layer()
+        yield from ((n, m) for n, m in model.named_modules() if is_attention(m))
+        if callable(getattr(model, "process_weights_after_loading", None)):
+            yield "", model
+        return
+    quant_base = quantize_method_base()
+    seen: set[int] = set()
+
+    def children_first(name: str, module: Any) -> Iterator[tuple[str, Any]]:
+        if not isinstance(getattr(module, "quant_method", None), quant_base):
+            for child_name, child in module.named_children():
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    yield from children_first(f"{name}.{child_name}" if name else child_name, child)
+        yield name, module
+
+    for name, module in children_first("", model):
+        if not isinstance(module, quant_base) and callable(getattr(module, "process_weights_after_loading", None)):
+            yield name, module
+
+
+def record_checkpoint_layout_for_direct_reload(model: Any) -> bool:
+    """vLLM 0.34 with ``VLLM_RELOAD_MODE=direct``: record each tensor's checkpoint layout before post-load
+    processing (``reload.direct.record_checkpoint_layout``), as vLLM's own post-load processing does, so a
+    later direct in-place reload can write checkpoint bytes back. Returns whether it recorded (False on a
+    vLLM without direct reload, or with it off)."""
+    enabled = _optional("vllm.model_executor.model_loader.reload.direct", "direct_reload_enabled")
+    record = _optional("vllm.model_executor.model_loader.reload.direct", "record_checkpoint_layout")
+    if enabled is None or record is None or not enabled():
+        return False
+    record(model)
+    return True
+
+
+def post_load_hook_takes_act_dtype(module: Any, *, name: str) -> bool:
+    """Whether ``module.process_weights_after_loading`` takes the activation dtype: ``(self, act_dtype)``
+    (vLLM 0.29-0.33 attention layers) or ``(self)`` (vLLM 0.34 attention layers, every other module hook)."""
+    try:
+        params = [p for p in inspect.signature(module.process_weights_after_loading).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):  # no introspectable signature: call it as vLLM 0.34 does
+        return False
+    if len(params) > 1:
+        raise VllmCompatError(
+            f"vLLM {vllm_version()}: {type(module).__name__}.process_weights_after_loading of layer "
+            f"{name or '<root>'} takes ({', '.join(p.name for p in params)}); vllm-diffusion-plugin knows the "
+            f"forms () (vLLM 0.34) and (act_dtype) (vLLM 0.30-0.33) and is tested with vllm{TESTED_VLLM}")
+    return bool(params)
+
+
+def run_post_load_hook(module: Any, act_dtype: Any, *, name: str) -> None:
+    """Call ``module.process_weights_after_loading`` in the form this vLLM defines (see
+    ``post_load_hook_takes_act_dtype``); ``act_dtype`` None where the hook needs one is an error."""
+    if not post_load_hook_takes_act_dtype(module, name=name):
+        module.process_weights_after_loading()
+        return
+    if act_dtype is None:
+        raise ValueError(f"model_config is required: {type(module).__name__}.process_weights_after_loading of "
+                         f"layer {name or '<root>'} needs the activation dtype (model_config.dtype)")
+    module.process_weights_after_loading(act_dtype)
 
 
 def register_env_vars(names: list[str]) -> bool:

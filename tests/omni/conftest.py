@@ -1,17 +1,10 @@
-"""Fixtures for the vllm-omni patch tests, which run against the real vllm-omni in the separate environment
-built by ``.ci/omni-env.sh`` and are skipped where vllm-omni is not installed (the main environment).
+"""Fixtures for the vllm-omni patch tests. They run against the real vllm-omni 0.30.0 and vLLM 0.30.0 in the
+``[omni]`` environment (``pip install -e ".[omni,test]"``, CI stage 2 of ``.ci/run``), with nothing of either
+package stubbed or bridged, and are skipped where vllm-omni is not installed (the main environment, vLLM 0.34:
+vllm-omni 0.30 imports only with vLLM 0.30).
 
-``OMNI_TESTS_REQUIRED=1`` (set by ``.ci/omni-env.sh``) turns "vllm-omni cannot be imported" from a skip into
-an error, so the omni stage can never pass by skipping everything.
-
-vLLM 0.33 bridge (test environment only). vllm-omni 0.30.0's package ``__init__`` reaches
-``vllm.v1.outputs.RoutedExpertsLists`` through its autoregressive scheduler
-(``vllm_omni.config`` -> ``core.sched.omni_ar_scheduler`` -> ``core.sched.utils``); vLLM 0.33 no longer has that
-name, so ``import vllm_omni`` fails next to the vLLM this plugin targets. Nothing on the diffusion loading path
-uses it (importing the loader modules with the package ``__init__`` bypassed works without it). The bridge
-defines the missing name as an empty class before vllm-omni is imported, so the real package ``__init__``
-(including vllm-omni's own patches to vLLM) runs unchanged. It is the only name missing (checked by importing
-with bridges added one at a time).
+``OMNI_TESTS_REQUIRED=1`` (set by ``.ci/run``'s omni stage) turns "vllm-omni cannot be imported" from a skip
+into an error, so the omni stage can never pass by skipping everything.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Helpers for the vllm-omni patch tests (see conftest.py for the environment and the vLLM 0.33 bridge)."""
+"""Helpers for the vllm-omni patch tests (see conftest.py for the environment)."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
-import sys
 import types
 
 import pytest
@@ -16,17 +14,6 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm_diffusion_plugin.testing.logs import captured_logs  # noqa: F401  (re-exported for the omni tests)
 
 REQUIRED = os.environ.get("OMNI_TESTS_REQUIRED") == "1"
-
-
-def _bridge_vllm_names() -> None:
-    outputs = importlib.import_module("vllm.v1.outputs")
-    if not hasattr(outputs, "RoutedExpertsLists"):
-        outputs.RoutedExpertsLists = type("RoutedExpertsLists", (), {
-            "__doc__": "Test bridge: vllm-omni 0.30 imports this vLLM 0.30 name; unused on its diffusion path."})
-
-
-if "vllm_omni" in sys.modules or importlib.util.find_spec("vllm_omni") is not None:
-    _bridge_vllm_names()
 
 
 def import_omni() -> types.ModuleType:

@@ -1,4 +1,4 @@
-"""The vllm-omni patches against the real vllm-omni (0.30.0 in .ci/omni-env.sh): the import hook, shape checks,
+"""The vllm-omni patches against the real vllm-omni (0.30.0 with vLLM 0.30.0, the [omni] extra): the import hook, shape checks,
 idempotence and rebinding, the load format, HSDP sizes, and one end-to-end load through vllm-omni's own
 ``load_model``. Where a patch changes behaviour, vllm-omni's own code (``__wrapped__``) is run next to it.
 (Post-load processing and the LoRA device rule: test_omni_seed_bugs.py.)
@@ -38,9 +38,8 @@ FP8 = torch.float8_e4m3fn
 def test_patches_wait_for_vllm_omni_imports_and_nothing_without_it():
     script = textwrap.dedent("""
         import importlib.util, sys
-        from omni_support import _bridge_vllm_names
+        import vllm.v1.outputs  # vLLM first, as in a server; not vllm_omni
         from vllm_diffusion_plugin.doors.omni import _patching, apply_patches, patch_status
-        _bridge_vllm_names()  # imports vllm, not vllm_omni
         real_find_spec = importlib.util.find_spec
         importlib.util.find_spec = lambda name, *a: None if name == "vllm_omni" else real_find_spec(name, *a)
         apply_patches()  # vllm-omni "absent"

@@ -10,9 +10,17 @@ Registered by ``register()`` when the plugin is enabled; selected with
       -> shard with HSDP (only when the model declares shard conditions or hsdp_block_pattern is set) -> eval
 
 Options are parsed (and rejected) in ``__init__``, before any weight is read.
+
+``get_all_weights`` (vLLM 0.34's in-place weight reload: ``reload_weights`` streams it through
+``model.load_weights`` and re-runs vLLM's post-load processing) yields the checkpoint's tensors, so a reload
+gives the model of the first load. It refuses, before the model is touched, what a reload could not rebuild:
+a load with ``lora_path`` (the stream carries base weights; the fused LoRA would be silently dropped) and an
+HSDP-sharded model (vLLM's weight loaders copy full tensors into parameters).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,6 +73,26 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                     result.bytes_read / 1e6, source.folder, result.seconds)
         if self.lora_specs:
             self._fuse_loras(model)
+
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every checkpoint tensor by checkpoint name, for vLLM's in-place reload (vLLM 0.34+). Raises at the
+        call, before the reload touches ``model``, when the reload would not give the loaded model back."""
+        if self.lora_specs:
+            raise NotImplementedError(
+                f"load_format='diffusion-hsdp': in-place weight reload of a model loaded with lora_path "
+                f"({', '.join(str(s.path) for s in self.lora_specs)}) is not supported: the reload streams the "
+                f"base weights through model.load_weights and vLLM re-processes them, so the LoRA fused at load "
+                f"would be dropped. Restart with the new weights instead, or fuse the LoRA into the checkpoint "
+                f"(`vllm-diffusion load ... --save-fused DIR`) and load that without lora_path")
+        sharded = [n for n, p in model.named_parameters() if hasattr(p, "full_tensor")]
+        if sharded:
+            raise NotImplementedError(
+                f"load_format='diffusion-hsdp': in-place weight reload of an HSDP-sharded model is not supported "
+                f"({len(sharded)} sharded parameters, e.g. {sharded[0]}): vLLM's weight loaders copy full "
+                f"tensors into parameters. Restart with the new weights instead")
+        from vllm_diffusion_plugin.engine.weights import iterate_weights
+
+        return iterate_weights(self._source(model_config))
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         from vllm.utils.torch_utils import set_default_torch_dtype

@@ -1,8 +1,11 @@
 """Post-load weight processing that is safe for online quantization and for HSDP-sharded models.
 
-``process_weights_after_loading(model, target_device, model_config=None)`` mirrors vLLM 0.33's loader
-contract (``BaseModelLoader.load_model`` then ``model_loader.utils.process_weights_after_loading``) with two
-differences that the diffusion load path needs (DESIGN.md fixes #2 and #3):
+``process_weights_after_loading(model, target_device, model_config=None)`` mirrors vLLM's loader contract
+(``BaseModelLoader.load_model`` then ``model_loader.utils.process_weights_after_loading``) for the installed
+vLLM: every quantized layer's method, then the modules' own ``process_weights_after_loading`` hooks -- the
+attention layers (with ``model_config.dtype``) and the model on vLLM 0.30-0.33, every module children first
+(``finalize_model_weights``) on vLLM 0.34 (``compat.post_load_hook_modules``). It differs in two ways that
+the diffusion load path needs (DESIGN.md fixes #2 and #3):
 
 * **Online-quant finalize.** Online-quant methods (``quant_method.uses_meta_device``) create weights on
   ``meta`` and materialize each layer when its last weight arrives; a layer whose weights never fully
@@ -54,7 +57,10 @@ class PostprocessReport:
     skipped: tuple[str, ...]
     """Layers with a quant method that were already processed (by an earlier call or during loading)."""
     attention_layers: tuple[str, ...]
-    """vLLM attention-like layers whose own ``process_weights_after_loading(dtype)`` ran."""
+    """vLLM attention-like layers whose own ``process_weights_after_loading`` ran."""
+    hooks: tuple[str, ...] = ()
+    """Every module whose own ``process_weights_after_loading`` hook ran, in order (``<root>``: the model):
+    the attention layers and the model (vLLM 0.30-0.33), every module, children first (vLLM 0.34+)."""
 
 
 def has_online_quant(model: nn.Module) -> bool:
@@ -64,9 +70,10 @@ def has_online_quant(model: nn.Module) -> bool:
 
 def process_weights_after_loading(model: nn.Module, target_device: torch.device | str,
                                   model_config: Any = None) -> PostprocessReport:
-    """Finalize online quantization, then run every layer's quant-method post-processing on
-    ``target_device`` (see the module docstring). ``model_config`` (vLLM ``ModelConfig``) is needed only by
-    vLLM attention layers; diffusion transformers have none."""
+    """Finalize online quantization, run every layer's quant-method post-processing on ``target_device``,
+    then the modules' own post-load hooks as this vLLM runs them (see the module docstring).
+    ``model_config`` (vLLM ``ModelConfig``) is needed only by vLLM 0.30-0.33 attention layers (their hook
+    takes ``model_config.dtype``); diffusion transformers have none."""
     target = torch.device(target_device)
     hook = getattr(model, "process_weights_after_loading", None)
     if not compat.may_hold_vllm_layers(model) and not callable(hook):  # a diffusers DiT: nothing to do
@@ -74,11 +81,11 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
                     type(model).__name__)
         return PostprocessReport(online_quant=False, processed=(), skipped=(), attention_layers=())
     is_attention = compat.is_deferred_attention_layer()
-    attention = [(n, m) for n, m in model.named_modules() if is_attention(m)]
-    if attention and model_config is None:
+    hooks = [(n, m) for n, m in compat.post_load_hook_modules(model) if not getattr(m, PROCESSED_ATTR, False)]
+    needs_dtype = [n or "<root>" for n, m in hooks if compat.post_load_hook_takes_act_dtype(m, name=n)]
+    if needs_dtype and model_config is None:
         raise ValueError(f"model_config is required: {type(model).__name__} has vLLM attention layers "
-                         f"({', '.join(n for n, _ in attention[:4])}) whose post-load processing needs "
-                         f"model_config.dtype")
+                         f"({', '.join(needs_dtype[:4])}) whose post-load processing needs model_config.dtype")
     online = has_online_quant(model)
     if online:
         finalize = compat.require_finalize_layerwise_processing()
@@ -90,6 +97,7 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
             logger.warning("After finalize, %d parameters are still on meta (e.g. %s); their quant methods "
                            "must materialize them.", len(stragglers), ", ".join(stragglers[:4]))
 
+    compat.record_checkpoint_layout_for_direct_reload(model)  # vLLM 0.34 VLLM_RELOAD_MODE=direct, as vLLM does
     quant_base = compat.quantize_method_base()
     processed: list[str] = []
     skipped: list[str] = []
@@ -103,6 +111,9 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
         needs_device = getattr(quant_method, "requires_device_loading", True)  # False: processes in place
         sharded = _dtensor_names(module)
         with _placement(module, name, target, online, needed=needs_device):
+            shared_experts = getattr(module, "shared_expert_online_loader", None)  # vLLM 0.34: fused shared
+            if shared_experts is not None:                                         # experts staged for quant
+                shared_experts.finalize(module)
             quant_method.process_weights_after_loading(module)
         if sharded:
             _resync_fsdp_unit(model, name, module, sharded)
@@ -111,28 +122,24 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
         setattr(module, PROCESSED_ATTR, True)
         processed.append(name)
 
-    attention_done: list[str] = []
-    for name, module in attention:
-        if getattr(module, PROCESSED_ATTR, False):
-            continue
+    hooks_run: list[str] = []
+    dtype = getattr(model_config, "dtype", None)
+    for name, module in hooks:
+        attention = is_attention(module)  # as in vLLM, only attention hooks get their weights on the device
         sharded = _dtensor_names(module)
-        with _placement(module, name, target, online, needed=True):
-            module.process_weights_after_loading(model_config.dtype)
+        with _placement(module, name, target, online, needed=attention):
+            compat.run_post_load_hook(module, dtype, name=name)
         if sharded:
             _resync_fsdp_unit(model, name, module, sharded)
         setattr(module, PROCESSED_ATTR, True)
-        attention_done.append(name)
+        hooks_run.append(name or "<root>")
 
-    model_hook = getattr(model, "process_weights_after_loading", None)
-    if callable(model_hook) and not getattr(model, PROCESSED_ATTR, False):
-        model_hook()  # vLLM's model-level post-load hook, after the per-layer processing
-        setattr(model, PROCESSED_ATTR, True)
-
-    logger.info("Post-load processing of %s on %s: %d layers processed, %d already processed, %d attention "
-                "layers%s.", type(model).__name__, target, len(processed), len(skipped), len(attention_done),
-                " (online quant finalized)" if online else "")
+    attention_done = tuple(n for n, m in hooks if is_attention(m))
+    logger.info("Post-load processing of %s on %s: %d layers processed, %d already processed, %d module hooks "
+                "(%d attention layers)%s.", type(model).__name__, target, len(processed), len(skipped),
+                len(hooks_run), len(attention_done), " (online quant finalized)" if online else "")
     return PostprocessReport(online_quant=online, processed=tuple(processed), skipped=tuple(skipped),
-                             attention_layers=tuple(attention_done))
+                             attention_layers=attention_done, hooks=tuple(hooks_run))
 
 
 def _dtensor_names(module: nn.Module) -> set[str]:
