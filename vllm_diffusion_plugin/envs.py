@@ -76,6 +76,18 @@ ENV_VARS: dict[str, EnvVar] = {
             _parse_bool,
         ),
         EnvVar(
+            "VLLM_DIFFUSION_OMNI_CPU", "bool", False,
+            "Makes vllm-omni run diffusion pipelines on the CPU through the plugin's CPU platform (entry point "
+            "group vllm_omni.platform_plugins; development, tests, CI). Independent of VLLM_DIFFUSION_PLUGIN.",
+            _parse_bool,
+        ),
+        EnvVar(
+            "VLLM_DIFFUSION_OMNI_CPU_DEVICES", "int", 0,
+            "How many CPU 'devices' (diffusion ranks) the CPU platform reports; 0 means one per CPU this "
+            "process may run on.",
+            _parse_int,
+        ),
+        EnvVar(
             "VLLM_DIFFUSION_LORA_PATH", "list[str]", (),
             "LoRA files fused at load, separated by ','.",
             _parse_path_list, extra_config_key="lora_path",

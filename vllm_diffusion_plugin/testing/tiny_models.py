@@ -41,9 +41,12 @@ def build_tiny_model(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
 
 
 def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
-                        safe_serialization: bool = True, min_shards: int = 3) -> Path:
+                        safe_serialization: bool = True, min_shards: int = 3, runnable: bool = False) -> Path:
     """Write a pipeline folder (``model_index.json`` + transformer folders saved by diffusers'
-    ``save_pretrained(max_shard_size=...)``, so each has an index and >= ``min_shards`` shards)."""
+    ``save_pretrained(max_shard_size=...)``, so each has an index and >= ``min_shards`` shards).
+
+    ``runnable=True`` (``wan`` only) also writes the other components of a Wan2.2 text-to-video pipeline
+    (see :func:`write_wan_runtime_components`), so diffusers' ``WanPipeline`` and vllm-omni can run it."""
     import diffusers
 
     pipeline_class, model_class, components = PIPELINES[kind]
@@ -52,6 +55,10 @@ def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.flo
              "vae": [None, None]}
     if kind == "wan":
         index["boundary_ratio"] = 0.875
+    if runnable:
+        if kind != "wan":
+            raise ValueError(f"runnable=True builds Wan2.2 pipelines only, not {kind!r}")
+        index |= write_wan_runtime_components(Path(root), seed=seed, dtype=dtype)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for offset, name in enumerate(components):
@@ -65,6 +72,47 @@ def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.flo
         index[name] = ["diffusers", model_class]
     (root / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return root
+
+
+TINY_WAN_TEXT = dict(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, relative_attention_num_buckets=8,
+                     relative_attention_max_distance=16)
+"""UMT5 encoder config of the runnable tiny Wan2.2 pipeline (``d_model`` == the transformers' ``text_dim``)."""
+TINY_WAN_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                    temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+"""AutoencoderKLWan config (``z_dim`` == the transformers' ``in_channels``; 4x temporal, 8x spatial)."""
+_TINY_WORDS = ("a", "cat", "dog", "tiny", "video", "of", "the", "on", "in", "red", "blue", "walks", "runs",
+               "beach", "street", "sky", "with", "and", "slow", "motion")
+
+
+def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """Write ``vae/``, ``text_encoder/``, ``tokenizer/`` and ``scheduler/`` of a tiny Wan2.2 text-to-video
+    pipeline under ``root`` with diffusers'/transformers' own classes (an ``AutoencoderKLWan``, a
+    ``UMT5EncoderModel``, a T5 tokenizer built offline from a word list, a flow-matching
+    ``UniPCMultistepScheduler``); returns their ``model_index.json`` entries."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    root = Path(root)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [(f"\u2581{w}", -1.0 - i / 10) for i, w in enumerate(_TINY_WORDS)]
+    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0)
+    tokenizer.save_pretrained(root / "tokenizer")
+
+    torch.manual_seed(seed + 100)
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(pieces), **TINY_WAN_TEXT)).eval()
+    vae = AutoencoderKLWan(**TINY_WAN_VAE).eval()
+    gen = torch.Generator().manual_seed(seed + 200)
+    with torch.no_grad():
+        for param in encoder.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    encoder.to(dtype).save_pretrained(root / "text_encoder")
+    vae.to(dtype).save_pretrained(root / "vae")
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,
+                            num_train_timesteps=1000).save_pretrained(root / "scheduler")
+    return {"tokenizer": ["transformers", type(tokenizer).__name__],
+            "text_encoder": ["transformers", "UMT5EncoderModel"],
+            "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"]}
 
 
 def write_tiny_lora(path: Path, model: torch.nn.Module, *, rank: int = 4, alpha: float | None = 8.0,

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# CI stage: the serving proof in real vllm-omni servers (tests/serve), in the [omni] environment.
+#   .ci/omni-serve.sh VENV_DIR        e.g. .ci/omni-serve.sh .venv-omni
+# Builds a tiny Wan2.2 pipeline with two LoRAs, starts `vllm serve DIR --omni` servers one at a time on
+# 127.0.0.1 (the CPU platform of this package on a CPU-only host) and compares their videos. Fails on any test
+# failure, on pytest collecting or running no test, and on the stage timeout. Prints time-to-ready per server,
+# bytes read per rank per weight-load strategy, the frame distances and the stage's wall time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${1:?usage: .ci/omni-serve.sh VENV_DIR}
+PYTHON="$VENV/bin/python"
+[ -x "$PYTHON" ] || { echo "omni-serve: $PYTHON not found" >&2; exit 1; }
+[ -x "$VENV/bin/vllm" ] || { echo "omni-serve: $VENV/bin/vllm not found (install .[omni,test])" >&2; exit 1; }
+TIMEOUT=${OMNI_SERVE_TIMEOUT:-1500}   # seconds for the whole proof (~6 min on a quiet 2-core host)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/omni-serve.XXXXXX")
+start=$(date +%s)
+
+set +e
+VLLM_DIFFUSION_SERVE_PROOF=1 VLLM_DIFFUSION_SERVE_PROOF_DIR="$WORK" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout --kill-after=60 "$TIMEOUT" "$PYTHON" -m pytest tests/serve -m serve -p no:cacheprovider -rA -s \
+    -W "ignore::DeprecationWarning" --junitxml="$WORK/junit.xml"
+status=$?
+set -e
+
+"$PYTHON" - "$WORK" <<'PY' || true
+import json, sys
+from pathlib import Path
+
+work = Path(sys.argv[1])
+path = work / "summary.json"
+if not path.exists():
+    print(f"omni-serve: no summary at {path}")
+    raise SystemExit
+s = json.loads(path.read_text())
+print(f"omni-serve: checkpoints built in {s.get('build_s')} s; DiT shards {s.get('dit_bytes')} bytes; "
+      f"tolerance {s.get('tolerance')}")
+for name, server in s.get("servers", {}).items():
+    print(f"omni-serve: server {name:<24} {server}")
+for strategy, per_rank in s.get("bytes_per_rank", {}).items():
+    print(f"omni-serve: bytes read per rank, {strategy:<10} {per_rank}")
+for name, d in s.get("distances", {}).items():
+    print(f"omni-serve: distance {name:<40} mean |diff| {d['mean_abs']:.3f}, max |diff| {d['max_abs']}, "
+          f"identical bytes {d['identical_bytes']}")
+print(f"omni-serve: proof wall time {s.get('stage_s')} s (logs under {work / 'logs'})")
+PY
+echo "omni-serve: stage wall time $(( $(date +%s) - start ))s"
+
+if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "omni-serve: exceeded ${TIMEOUT}s" >&2; exit 1
+fi
+if [ "$status" -eq 5 ]; then echo "omni-serve: pytest collected no tests: failing" >&2; exit 1; fi
+if [ "$status" -ne 0 ]; then exit "$status"; fi
+ran=$("$PYTHON" - "$WORK/junit.xml" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+print(sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites))
+PY
+)
+if [ "$ran" -le 0 ]; then echo "omni-serve: no serving test ran (all skipped?): failing" >&2; exit 1; fi
+echo "omni-serve: $ran serving tests passed"
