@@ -7,13 +7,16 @@ in ``--out-dir``. Each measurement runs ``--repeats`` times after the page cache
 
   (a) floor       raw ``safe_open().get_tensor`` -> ``param.copy_`` into a preallocated module
   (b1) ours        ``load_into_module(module, source=...)`` (validation + iterate_weights) into the same module
-  (b2) ours e2e    ``build_component`` (meta skeleton, uninitialized storage) + ``load_into_module``
+  (b2) ours e2e    ``build_component`` (meta skeleton, uninitialized storage) + ``load_into_module`` (on the CPU
+                  with ``map_private``, as the pipeline: weights view a copy-on-write mapping of the file)
   (c) diffusers   ``WanTransformer3DModel.from_pretrained(folder, torch_dtype=bfloat16)``, then ``.to(device)``
                   for an accelerator; on CPU also (c') with every parameter page touched once afterwards: with
                   accelerate installed, diffusers maps the safetensors pages into the parameters without copying,
                   so (c) alone has not read the bytes yet -- (c') is what a consumer of the weights pays.
 
-Goals: (b1) throughput >= 0.8x the floor; (c) takes >= 2x as long as (b2).
+Goals: (b1) throughput >= 0.8x the floor; (c) takes >= 2x as long as (b2). ``--fresh`` (CPU) adds build + read
+in fresh processes (``FRESH``): ours, as the pipeline loads (copy-on-write mapped weights), no slower than
+diffusers ``from_pretrained``, untouched and with every page touched afterwards.
 
     python benchmarks/bench_load.py [--size-gb 2] [--out-dir /tmp/vllm-diffusion-bench] [--repeats 3]
                                     [--device cpu|cuda|npu|...] [--json]
@@ -38,6 +41,8 @@ import torch
 WIDE_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+TINY_CONFIG = dict(WIDE_CONFIG, num_attention_heads=2, attention_head_dim=64, text_dim=128, ffn_dim=256)
+"""``--tiny``: the same model family 40x narrower, to check the plumbing (``gpu_proof.py --cpu-check``)."""
 DTYPE = torch.bfloat16
 
 
@@ -45,35 +50,36 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _config(num_layers: int) -> dict:
+def _config(num_layers: int, base: dict) -> dict:
     import diffusers
 
     return {"_class_name": "WanTransformer3DModel", "_diffusers_version": diffusers.__version__,
-            **WIDE_CONFIG, "num_layers": num_layers}
+            **base, "num_layers": num_layers}
 
 
-def _meta_bytes(num_layers: int) -> int:
+def _meta_bytes(num_layers: int, base: dict) -> int:
     from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     src = ComponentSource(name="probe", folder=Path("."), files=(), format="safetensors", index=None,
-                          config=MappingProxyType(_config(num_layers)))
+                          config=MappingProxyType(_config(num_layers, base)))
     return sum(p.numel() * 2 for p in build_component(src, dtype=DTYPE, device="meta").parameters())
 
 
-def ensure_checkpoint(out_dir: Path, size_gb: float) -> Path:
+def ensure_checkpoint(out_dir: Path, size_gb: float, base: dict = WIDE_CONFIG) -> Path:
     """The cached component folder for ``size_gb`` (generated on first use)."""
     from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
     from vllm_diffusion_plugin.engine.skeleton import build_component, save_component
 
-    base, per_layer = _meta_bytes(1), _meta_bytes(2) - _meta_bytes(1)
-    num_layers = max(1, math.ceil((size_gb * 1e9 - (base - per_layer)) / per_layer))
-    folder = out_dir / f"wan-5120-{num_layers}L-bf16" / "transformer"
+    first, per_layer = _meta_bytes(1, base), _meta_bytes(2, base) - _meta_bytes(1, base)
+    num_layers = max(1, math.ceil((size_gb * 1e9 - (first - per_layer)) / per_layer))
+    width = base["num_attention_heads"] * base["attention_head_dim"]
+    folder = out_dir / f"wan-{width}-{num_layers}L-bf16" / "transformer"
     if (folder / "config.json").is_file():
         return folder
-    _log(f"generating a {num_layers}-block 5120-wide WanTransformer3DModel checkpoint "
-         f"(~{(base + (num_layers - 1) * per_layer) / 1e9:.2f} GB) in {folder} ...")
-    config = _config(num_layers)
+    _log(f"generating a {num_layers}-block {width}-wide WanTransformer3DModel checkpoint "
+         f"(~{(first + (num_layers - 1) * per_layer) / 1e9:.2f} GB) in {folder} ...")
+    config = _config(num_layers, base)
     src = ComponentSource(name="transformer", folder=folder, files=(), format="safetensors", index=None,
                           config=MappingProxyType(config))
     module = build_component(src, dtype=DTYPE, device="cpu")
@@ -129,6 +135,49 @@ def timed(fn, repeats: int, device: torch.device) -> list[float]:
     return times
 
 
+FRESH = ("ours_mapped", "ours_mapped_touched", "ours_copied", "diffusers", "diffusers_touched", "safetensors_load_file")
+"""``--fresh`` (CPU): each variant builds + reads the checkpoint in a fresh process (imports done before the clock
+starts; warm page cache). ``ours_mapped`` is what the pipeline does (``map_private``: weights view a copy-on-write
+mapping), ``ours_copied`` copies into fresh storage; ``*_touched`` reads one element per page afterwards."""
+
+
+def fresh_child(variant: str, folder: Path) -> float:
+    import diffusers
+    from safetensors.torch import load_file
+
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.skeleton import build_component, component_class
+    from vllm_diffusion_plugin.engine.weights import load_into_module
+
+    source = resolve_component(folder)
+    component_class(source), diffusers.WanTransformer3DModel  # diffusers imports its models lazily: not timed
+    start = time.perf_counter()
+    if variant.startswith("ours"):
+        module = build_component(source, dtype=DTYPE, device="cpu")
+        load_into_module(module, source=source, progress=False, map_private=variant.startswith("ours_mapped"))
+    elif variant.startswith("diffusers"):
+        module = diffusers.WanTransformer3DModel.from_pretrained(folder, torch_dtype=DTYPE)
+    else:
+        for file in source.files:
+            load_file(file)
+        return time.perf_counter() - start
+    if variant.endswith("touched"):
+        touch_every_page(module)
+    return time.perf_counter() - start
+
+
+def fresh_runs(folder: Path, repeats: int) -> dict[str, list[float]]:
+    import subprocess
+
+    times: dict[str, list[float]] = {v: [] for v in FRESH}
+    for _ in range(repeats):
+        for variant in FRESH:  # round-robin: load from other processes hits every variant alike
+            done = subprocess.run([sys.executable, __file__, "--child", variant, "--out-dir", str(folder)],
+                                  capture_output=True, text=True, check=True)
+            times[variant].append(float(done.stdout.strip().splitlines()[-1]))
+    return times
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0)
@@ -136,8 +185,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the module lives: cpu (default), cuda, npu ...")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--tiny", action="store_true", help="a 128-wide model of --size-gb (default 0.01 GB)")
+    parser.add_argument("--fresh", action="store_true", help="CPU: also build + read in fresh processes (FRESH)")
+    parser.add_argument("--child", choices=FRESH, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if args.child:  # one fresh-process measurement; --out-dir is the component folder here
+        print(fresh_child(args.child, args.out_dir))
+        return {}
     device = torch.device(args.device)
 
     import diffusers
@@ -146,7 +201,10 @@ def main(argv=None) -> dict:
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
-    folder = ensure_checkpoint(args.out_dir, args.size_gb)
+    if args.tiny:
+        folder = ensure_checkpoint(args.out_dir, args.size_gb if args.size_gb != 2.0 else 0.01, TINY_CONFIG)
+    else:
+        folder = ensure_checkpoint(args.out_dir, args.size_gb)
     source = resolve_component(folder)
     total = source.total_bytes
     _log(f"checkpoint: {folder} ({len(source.files)} shards, {len(source.tensors)} tensors, {total / 1e9:.2f} GB)")
@@ -162,9 +220,9 @@ def main(argv=None) -> dict:
     results = preallocated_runs()
     gc.collect()
 
-    def ours_e2e():
+    def ours_e2e():  # as the pipeline loads: on the CPU, weights view a copy-on-write mapping of the file
         fresh = build_component(source, dtype=DTYPE, device=device)
-        load_into_module(fresh, source=source, progress=False)
+        load_into_module(fresh, source=source, progress=False, map_private=device.type == "cpu")
 
     def diffusers_load(touch: bool):
         model = diffusers.WanTransformer3DModel.from_pretrained(folder, torch_dtype=DTYPE)
@@ -178,6 +236,8 @@ def main(argv=None) -> dict:
     if device.type == "cpu":
         results["diffusers_from_pretrained_touched"] = timed(lambda: diffusers_load(True), args.repeats, device)
 
+    if args.fresh and device.type == "cpu":
+        results.update({f"fresh {name}": t for name, t in fresh_runs(folder, args.repeats).items()})
     summary = {name: {"best_s": min(t), "median_s": statistics.median(t), "runs_s": t,
                       "gb_per_s_best": total / 1e9 / min(t)} for name, t in results.items()}
     med = {name: s["median_s"] for name, s in summary.items()}
@@ -189,8 +249,17 @@ def main(argv=None) -> dict:
     if "diffusers_from_pretrained_touched" in med:
         ratios["diffusers_touched_vs_ours_build_and_load_time"] = (med["diffusers_from_pretrained_touched"]
                                                                   / med["ours_build_and_load"])
+    if "fresh ours_mapped" in med:
+        ratios["fresh: diffusers vs ours (mapped) build+read time"] = med["fresh diffusers"] / med["fresh ours_mapped"]
+        ratios["fresh: diffusers vs ours (mapped), both touched"] = (med["fresh diffusers_touched"]
+                                                                     / med["fresh ours_mapped_touched"])
+        ratios["fresh: ours copied vs ours mapped time"] = med["fresh ours_copied"] / med["fresh ours_mapped"]
     goals = {"ours >= 0.8x floor": ratios["ours_preallocated_vs_floor_throughput"] >= 0.8,
              "diffusers >= 2x slower than ours (build+load)": ratios["diffusers_vs_ours_build_and_load_time"] >= 2.0}
+    if "fresh ours_mapped" in med:
+        goals["fresh: ours (mapped) no slower than diffusers (untouched and touched)"] = (
+            ratios["fresh: diffusers vs ours (mapped) build+read time"] >= 1.0
+            and ratios["fresh: diffusers vs ours (mapped), both touched"] >= 1.0)
     report = {"checkpoint": str(folder), "device": str(device), "bytes": total, "shards": len(source.files),
               "tensors": len(source.tensors), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
               "timings": summary, "ratios (medians)": ratios, "goals": goals,

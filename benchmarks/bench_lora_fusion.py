@@ -3,7 +3,9 @@
 Shapes: one 5120x5120 and one 13824x5120 bf16 layer (Wan2.2 A14B attention and FFN), rank 64, at 1 thread
 and at all threads. Variants (each fuses ``W += s * B @ A`` into a bf16 weight in place):
 
-- ours: ``fuse_lora`` on the CPU path, with the kernel the code chooses (``cpu_kernel``), integrity checks on;
+- ours: ``fuse_lora`` on the CPU path, with the kernel the code chooses (``cpu_kernel``) and its default
+  integrity checks (factors and overflow bound; ``lora.fuse``'s module doc);
+- ours (check_finite): the same with ``check_finite=True`` (every fused chunk checked: one extra pass);
 - floor: in-place ``W.addmm_(B, A, alpha=s)`` in bf16 (no checks; the fastest thing possible);
 - fp32-chunked: rows upcast into a reused fp32 buffer, ``addmm_``, written back (no checks);
 - peft-style: fresh fp32 temporaries, ``W.data = (W.float() + (B.float() @ A.float()) * s).to(bf16)``;
@@ -12,7 +14,8 @@ and at all threads. Variants (each fuses ``W += s * B @ A`` into a bf16 weight i
   scaled to the full layer (it is ~100x slower);
 - ours (no-onednn): ``fuse_lora`` under the same setting (the rule must then pick the fp32 path).
 
-Goals (PASS/FAIL): ours <= 1.3x the fastest baseline; ours >= 15x faster than peft-style; under no-onednn,
+Goals (PASS/FAIL): ours <= 1.1x the unchecked floor -- the faster of bf16 ``addmm_`` and fp32-chunked, since a
+CPU without fast bf16 GEMM kernels (no AVX512-BF16/AMX) runs the fp32 path; ours >= 15x faster than peft-style; under no-onednn,
 ours >= 20x faster than the slow bf16 path. Whole-transformer figures: 320 layers of 5120^2 + 80 of
 13824x5120 (Wan2.2 A14B). Usage: ``python benchmarks/bench_lora_fusion.py [--threads 1,all] [--json]``.
 """
@@ -68,6 +71,9 @@ def variants(out_f: int, in_f: int):
     def ours():
         fuse_lora(layer, deltas)
 
+    def ours_checked():
+        fuse_lora(layer, deltas, check_finite=True)
+
     def floor():
         W.addmm_(B, A, alpha=SCALE)
 
@@ -85,7 +91,8 @@ def variants(out_f: int, in_f: int):
     def slow_subset():
         W[:SLOW_ROWS].addmm_(B[:SLOW_ROWS], A, alpha=SCALE)
 
-    return {"ours": ours, "floor": floor, "fp32-chunked": fp32_chunked, "peft-style": peft_style}, ours, slow_subset
+    return ({"ours": ours, "ours (check_finite)": ours_checked, "floor": floor, "fp32-chunked": fp32_chunked,
+             "peft-style": peft_style}, ours, slow_subset)
 
 
 def measure(threads: int, reps: int) -> dict:
@@ -110,13 +117,13 @@ def measure(threads: int, reps: int) -> dict:
 
 
 def summarize(threads: int, rows: dict) -> dict:
-    timed = ("ours", "floor", "fp32-chunked", "peft-style", "ours (no-onednn)", "no-onednn bf16")
+    timed = ("ours", "ours (check_finite)", "floor", "fp32-chunked", "peft-style", "ours (no-onednn)", "no-onednn bf16")
     whole = {name: sum(LAYERS[label] * rows[label][name] for label in rows) for name in timed}
     goals = []
     for label, row in rows.items():
-        fastest = min(row["floor"], row["fp32-chunked"], row["peft-style"])
+        floor = min(row["floor"], row["fp32-chunked"])
         goals += [
-            (f"{label}: ours <= 1.3x fastest baseline", row["ours"] / fastest, row["ours"] <= 1.3 * fastest),
+            (f"{label}: ours <= 1.1x the unchecked floor", row["ours"] / floor, row["ours"] <= 1.1 * floor),
             (f"{label}: ours >= 15x faster than peft-style", row["peft-style"] / row["ours"],
              row["peft-style"] >= 15 * row["ours"]),
             (f"{label}: no-onednn ours >= 20x faster than slow bf16", row["no-onednn bf16"] / row["ours (no-onednn)"],
@@ -129,7 +136,7 @@ def summarize(threads: int, rows: dict) -> dict:
 
 def print_text(summary: dict) -> None:
     print(f"\n== {summary['threads']} thread(s); rank {RANK}, bf16 weights; ms per layer (best of runs) ==")
-    names = ("ours", "floor", "fp32-chunked", "peft-style", "ours (no-onednn)", "no-onednn bf16")
+    names = ("ours", "ours (check_finite)", "floor", "fp32-chunked", "peft-style", "ours (no-onednn)", "no-onednn bf16")
     print(f"{'layer':<16}" + "".join(f"{n:>18}" for n in names))
     for label, row in summary["layers"].items():
         print(f"{label:<16}" + "".join(f"{row[n] * 1e3:>18.1f}" for n in names))

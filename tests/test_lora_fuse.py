@@ -356,9 +356,53 @@ def test_overflow_is_refused_before_writing(request, where, monkeypatch):
         request.getfixturevalue("fake_accelerator")
     model = nn.Linear(8, 8, bias=False).half()
     with torch.no_grad():
-        model.weight.fill_(60000.0)
+        model.weight.fill_(1.0)
     before = snapshot(model)
-    deltas = {"": LoraDelta(torch.ones(1, 8), torch.ones(8, 1), 10000.0)}  # 70000 > fp16 max
+    deltas = {"": LoraDelta(torch.ones(1, 8), torch.ones(8, 1), 70000.0)}  # 70001 > fp16 max
+    with pytest.raises(NonFiniteFusionError, match=r"\.weight would make rows 0:8 NaN/inf"):
+        fuse_lora(model, deltas)
+    assert_bit_identical(model, before)
+
+
+@pytest.mark.parametrize("where", ["cpu", "accelerator"])
+@pytest.mark.parametrize("bad", ["lora_A", "lora_B", "scale"])
+def test_non_finite_lora_factors_are_refused_before_any_write(request, where, bad, monkeypatch):
+    """Checked on the small factors up front (not on the fused weights): the error names the factor, and not
+    even an earlier target of the call was written."""
+    if where == "cpu":
+        monkeypatch.setattr(platform, "local_device", lambda: torch.device("cpu"))
+    else:
+        request.getfixturevalue("fake_accelerator")
+    model = Blocks(dtype=torch.bfloat16)
+    deltas = make_deltas(model, dtype=torch.bfloat16)
+    last = list(deltas)[-1]
+    A, B, scale = deltas[last].A.clone(), deltas[last].B.clone(), deltas[last].scale
+    if bad == "lora_A":
+        A[0, 1] = float("nan")
+    elif bad == "lora_B":
+        B[2, 0] = float("inf")
+    else:
+        scale = float("inf")
+    deltas[last] = LoraDelta(A, B, scale, source_keys=("k.lora_A.weight", "k.lora_B.weight"))
+    before = snapshot(model)
+    with pytest.raises(NonFiniteFusionError, match=rf"{last}\.weight has non-finite {bad} .*k\.lora_A\.weight.*"
+                                                   rf"nothing was written"):
+        fuse_lora(model, deltas)
+    assert_bit_identical(model, before)
+
+
+@pytest.mark.parametrize("where", ["cpu", "accelerator"])
+def test_overflow_of_a_bf16_delta_is_refused_before_writing(request, where, monkeypatch):
+    """Same dtype everywhere (the in-place fast paths), but the bound says the delta may overflow bf16."""
+    if where == "cpu":
+        monkeypatch.setattr(platform, "local_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: "native")
+    else:
+        request.getfixturevalue("fake_accelerator")
+    model = nn.Linear(8, 8, bias=False).bfloat16()
+    before = snapshot(model)
+    big = torch.full((1, 8), 3e38, dtype=torch.bfloat16)
+    deltas = {"": LoraDelta(big, torch.full((8, 1), 2.0, dtype=torch.bfloat16), 1.0)}  # 6e38 > bf16 max
     with pytest.raises(NonFiniteFusionError, match=r"\.weight would make rows 0:8 NaN/inf"):
         fuse_lora(model, deltas)
     assert_bit_identical(model, before)
@@ -366,22 +410,54 @@ def test_overflow_is_refused_before_writing(request, where, monkeypatch):
 
 def test_failure_after_a_write_raises_partially_fused(no_accelerator):
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)).half()
-    with torch.no_grad():
-        model[1].weight.fill_(60000.0)
     deltas = {"0": LoraDelta(torch.ones(1, 8), torch.ones(8, 1), 1.0),
-              "1": LoraDelta(torch.ones(1, 8), torch.ones(8, 1), 10000.0)}
+              "1": LoraDelta(torch.ones(1, 8), torch.ones(8, 1), 70000.0)}  # the delta overflows fp16
     with pytest.raises(PartiallyFusedError, match=r"failed at 1 after 1 tensors .* partially fused, abort the load"):
         fuse_lora(model, deltas)
 
 
-def test_native_kernel_reports_a_non_finite_base_weight_as_partially_fused(no_accelerator, monkeypatch):
-    monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: "native")
+@pytest.mark.parametrize("kernel", ["native", "fp32-chunks"])
+def test_a_non_finite_base_weight_is_caught_by_check_finite_and_otherwise_stays_where_it_was(
+        no_accelerator, monkeypatch, kernel):
+    monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: kernel)
     model = nn.Linear(8, 8, bias=False).bfloat16()
     with torch.no_grad():
         model.weight[3, 3] = float("nan")
     deltas = {"": LoraDelta(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(8, 1, dtype=torch.bfloat16), 1.0)}
-    with pytest.raises(PartiallyFusedError, match=r"NaN/inf after fusing .* partially fused"):
-        fuse_lora(model, deltas)
+    ref = reference(model, deltas)
+    # check_finite (lora_check_finite / VLLM_DIFFUSION_LORA_CHECK_FINITE): the base weight is named
+    expected = PartiallyFusedError if kernel == "native" else NonFiniteFusionError  # native writes in place
+    with pytest.raises(expected, match=r"rows 0:8 (are )?NaN/inf"):
+        fuse_lora(model, deltas, check_finite=True)
+    # off (the default): no extra pass; the fused weight is the reference, NaN exactly where the base had it
+    model = nn.Linear(8, 8, bias=False).bfloat16()
+    with torch.no_grad():
+        model.weight.copy_(ref["weight"].to(torch.bfloat16) - 1)  # any finite base; NaN at [3, 3]
+        model.weight[3, 3] = float("nan")
+    ref = reference(model, deltas)
+    fuse_lora(model, deltas)
+    fused = model.weight.detach().double()
+    assert torch.isnan(fused).nonzero().tolist() == [[3, 3]]
+    finite = ~torch.isnan(ref["weight"])
+    torch.testing.assert_close(fused[finite], ref["weight"][finite], rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("where", ["cpu", "accelerator"])
+def test_check_finite_catches_a_base_weight_that_overflows_with_a_bounded_delta(request, where, monkeypatch):
+    """|W| near the dtype's max counts as a bad base weight: only the full check sees it."""
+    if where == "cpu":
+        monkeypatch.setattr(platform, "local_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: "fp32-chunks")  # checks before writing
+    else:
+        request.getfixturevalue("fake_accelerator")
+    model = nn.Linear(8, 8, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(60000.0)
+    before = snapshot(model)
+    deltas = {"": LoraDelta(torch.ones(1, 8).half(), torch.ones(8, 1).half(), 10000.0)}  # bound 1e4 < max / 2
+    with pytest.raises(NonFiniteFusionError, match=r"\.weight would make rows 0:8 NaN/inf"):
+        fuse_lora(model, deltas, check_finite=True)
+    assert_bit_identical(model, before)
 
 
 def test_meta_and_dtensor_weights_are_refused(no_accelerator):

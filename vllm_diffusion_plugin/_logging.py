@@ -5,7 +5,12 @@ plugin logger named ``vllm_diffusion_plugin.x`` would print nothing below WARNIN
 ``vllm.vllm_diffusion_plugin.x``: same handler, same format, same level switch as vLLM's own messages.
 """
 
-from vllm.logger import init_logger as _vllm_init_logger
+import logging
+
+try:
+    from vllm.logger import init_logger as _vllm_init_logger
+except ImportError:  # no vLLM (e.g. a bare GPU image running benchmarks/gpu_proof.py): plain loggers, same names
+    _vllm_init_logger = logging.getLogger
 
 PREFIX = "vllm."
 

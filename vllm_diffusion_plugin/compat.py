@@ -82,6 +82,21 @@ def is_deferred_attention_layer() -> Callable[[Any], bool]:
     return found if found is not None else (lambda layer: False)
 
 
+_VLLM_PACKAGES = ("vllm", "vllm_omni")
+
+
+def may_hold_vllm_layers(model: Any) -> bool:
+    """Whether ``model`` can hold a vLLM layer or quant method: some module's class, or its ``quant_method``'s,
+    derives from a class defined in vLLM or vllm-omni. A diffusers DiT holds none, and then vLLM's attention
+    and quantization modules (seconds to import) need not be imported to know that none of them is there."""
+    for module in model.modules():
+        for obj in (module, getattr(module, "quant_method", None)):
+            if obj is not None and any(cls.__module__.split(".")[0] in _VLLM_PACKAGES
+                                       for cls in type(obj).__mro__):
+                return True
+    return False
+
+
 def register_env_vars(names: list[str]) -> bool:
     """Add our variable names to vLLM's env registry so it does not warn about unknown ``VLLM_*`` variables.
 
@@ -99,7 +114,18 @@ def register_env_vars(names: list[str]) -> bool:
 
 def configure_vllm_logging() -> None:
     """Apply vLLM's default logging configuration in this process (vLLM does it lazily in its engine; a
-    standalone command must ask). Honours ``VLLM_LOGGING_LEVEL``/``VLLM_LOGGING_STREAM``/``VLLM_CONFIGURE_LOGGING``."""
+    standalone command must ask). Honours ``VLLM_LOGGING_LEVEL``/``VLLM_LOGGING_STREAM``/``VLLM_CONFIGURE_LOGGING``.
+
+    Where ``vllm.config`` is not imported yet (the CLI), vLLM's bootstrap configuration from those variables
+    is applied (``vllm.logger._configure_vllm_root_logger()``: the same handler and format): its
+    ``LoggingConfig`` lives in ``vllm.config``, whose import pulls in vLLM's quantization layers and every
+    config (seconds). A vLLM without that function gets the ``LoggingConfig`` path."""
+    import sys
+
+    bootstrap = _optional("vllm.logger", "_configure_vllm_root_logger")
+    if bootstrap is not None and "vllm.config" not in sys.modules:
+        bootstrap()
+        return
     configure = _optional("vllm.logger", "configure_logging_if_needed")
     config_cls = _optional("vllm.config.logging", "LoggingConfig")
     if configure is not None and config_cls is not None:

@@ -109,6 +109,12 @@ ENV_VARS: dict[str, EnvVar] = {
             _parse_int, extra_config_key="lora_device_chunk_mb",
         ),
         EnvVar(
+            "VLLM_DIFFUSION_LORA_CHECK_FINITE", "bool", False,
+            "Check every fused weight chunk for NaN/inf (one extra pass over each fused weight); off, "
+            "non-finite LoRA factors and overflowing deltas are still refused.",
+            _parse_bool, extra_config_key="lora_check_finite",
+        ),
+        EnvVar(
             "VLLM_DIFFUSION_HSDP_SHARD_SIZE", "int", -1,
             "HSDP shard group size S; -1 means world_size / replicate size.",
             _parse_int, extra_config_key="hsdp_shard_size",

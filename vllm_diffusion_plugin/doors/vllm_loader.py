@@ -98,7 +98,8 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         _check_lora_fusable(model)
         stats = fuse_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
                                 strict=self.options.lora_strict, chunk_mb=self.options.lora_device_chunk_mb,
-                                packed_modules=getattr(model, "packed_modules_mapping", None))
+                                packed_modules=getattr(model, "packed_modules_mapping", None),
+                                check_finite=self.options.lora_check_finite)
         logger.info("Fused %d LoRA file(s) into %s: %d targets, compute device %s, %d fallback(s)",
                     len(self.lora_specs), type(model).__name__, stats.targets, stats.compute_device,
                     stats.fallbacks)

@@ -29,6 +29,10 @@ class LoadOptions:
     """A LoRA key that matches no module is an error (else a warning)."""
     lora_device_chunk_mb: int = 256
     """Bound on the weight rows staged on the accelerator at once while fusing CPU-resident weights."""
+    lora_check_finite: bool = False
+    """Check every fused weight chunk for NaN/inf (one extra pass over each fused weight). Off, non-finite
+    LoRA factors and overflowing deltas are still refused; only a NaN/inf already in a base weight passes
+    through unchanged (``lora.fuse``'s module doc)."""
     hsdp_shard_size: int = -1
     """HSDP shard group size S; -1 = world size / replicate size."""
     hsdp_replicate_size: int = 1

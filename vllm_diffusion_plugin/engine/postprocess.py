@@ -68,6 +68,11 @@ def process_weights_after_loading(model: nn.Module, target_device: torch.device 
     ``target_device`` (see the module docstring). ``model_config`` (vLLM ``ModelConfig``) is needed only by
     vLLM attention layers; diffusion transformers have none."""
     target = torch.device(target_device)
+    hook = getattr(model, "process_weights_after_loading", None)
+    if not compat.may_hold_vllm_layers(model) and not callable(hook):  # a diffusers DiT: nothing to do
+        logger.info("Post-load processing of %s: no vLLM layers or quant methods, nothing to do.",
+                    type(model).__name__)
+        return PostprocessReport(online_quant=False, processed=(), skipped=(), attention_layers=())
     is_attention = compat.is_deferred_attention_layer()
     attention = [(n, m) for n, m in model.named_modules() if is_attention(m)]
     if attention and model_config is None:

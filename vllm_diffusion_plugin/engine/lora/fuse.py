@@ -20,12 +20,29 @@ seconds per 5120^2 layer (the 22 min per Wan2.2 transformer seen on a Kunpeng ho
   oneDNN is available and enabled *and* a one-time micro-probe (cached per process, per dtype and oneDNN
   state) shows that dtype's GEMM within 2x of the fp32 one; used only when ``A``/``B`` share the weight's
   dtype and ``|s| * r * max|A| * max|B|`` cannot overflow it;
-- ``"fp32-chunks"`` otherwise: rows upcast into one reused fp32 buffer, ``addmm_`` there, checked, written
-  back (no fresh full-size temporaries; buffers are reused across the weights of a call).
+- ``"fp32-chunks"`` otherwise: rows upcast into one reused fp32 buffer, ``addmm_`` there, checked (when
+  the integrity rule below asks), written back (no fresh full-size temporaries; buffers are reused across the weights of a call).
 
-Integrity: every chunk is checked for NaN/inf; a non-finite result raises ``NonFiniteFusionError`` naming the
-module before it is written where the path allows, and ``PartiallyFusedError`` (the load must be aborted)
-once any weight of the call was modified.
+Integrity without a second pass over every weight. A fused weight ``W + s * B @ A`` can be non-finite only
+through (1) a non-finite ``A``, ``B`` or ``s``, (2) an overflow of the delta, or (3) a bad base weight (NaN/inf,
+or within the delta's bound of the dtype's max). Per target, before any weight of the call is written
+(``_lora_bound``):
+
+1. ``max|A|``, ``max|B|`` and ``s`` are read (A and B are small): non-finite -> ``NonFiniteFusionError``
+   naming the factor, nothing written;
+2. the bound ``|s| * r * max|A| * max|B|`` (no entry of the delta exceeds it) is compared with half the
+   weight dtype's max: a weight whose bound may overflow goes through the fp32 path, every chunk checked
+   before it is written (``NonFiniteFusionError`` naming the rows);
+3. a bounded delta cannot turn a finite base weight of magnitude below ``max / 2`` non-finite, so a bounded
+   target is fused in place with no check: NaN/inf in the base weight stays NaN/inf exactly where it was
+   (fusion neither creates nor spreads it; the unfused model carries it too). ``check_finite=True``
+   (``lora_check_finite`` / ``VLLM_DIFFUSION_LORA_CHECK_FINITE``) checks every fused chunk anyway, which
+   also catches (3) -- one extra reduction over each weight.
+
+The device path follows the same rule: a bounded target in the weight's dtype is fused with an in-place
+``addmm_`` (the HBM floor: each weight byte read and written once); the others in fp32, checked. A check
+failing after rows were written raises ``PartiallyFusedError`` (the load must be aborted), as does any
+failure once a weight of the call was modified.
 """
 
 from __future__ import annotations
@@ -180,9 +197,31 @@ def _finite(t: torch.Tensor, dst_dtype: torch.dtype) -> bool:
     return -limit <= low and high <= limit
 
 
-def _overflow_safe(delta: LoraDelta, dtype: torch.dtype) -> bool:
-    bound = abs(delta.scale) * delta.rank * float(delta.A.abs().max()) * float(delta.B.abs().max())
-    return bound < torch.finfo(dtype).max / 2
+def _factor_maxima(deltas: Sequence[LoraDelta]) -> list[tuple[float, float]]:
+    """``(max|A|, max|B|)`` of every delta (NaN if any entry is NaN): one fused reduction and one read-back per
+    device, not two device syncs per target (400 of them would cost more than fusing on a GPU)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, delta in enumerate(deltas):
+        by_device.setdefault(delta.A.device, []).append(i)
+    maxima: list[tuple[float, float]] = [(0.0, 0.0)] * len(deltas)
+    for device, indices in by_device.items():
+        factors = [t for i in indices for t in (deltas[i].A, deltas[i].B.to(device))]
+        values = torch.stack([m.float() for m in torch._foreach_norm(factors, math.inf)]).tolist()
+        for k, i in enumerate(indices):
+            maxima[i] = (values[2 * k], values[2 * k + 1])
+    return maxima
+
+
+def _lora_bound(delta: LoraDelta, dtype: torch.dtype, name: str, maxima: tuple[float, float] | None = None) -> bool:
+    """Cases 1 and 2 of the module doc: raises on a non-finite ``A``/``B``/scale (nothing written); returns
+    whether the delta is bounded well inside ``dtype`` (no entry above half its max), i.e. needs no check."""
+    amax_a, amax_b = maxima or _factor_maxima([delta])[0]
+    bad = [what for what, value in (("lora_A", amax_a), ("lora_B", amax_b), ("scale", delta.scale))
+           if not math.isfinite(value)]
+    if bad:
+        raise NonFiniteFusionError(f"the LoRA for {name}.weight has non-finite {' and '.join(bad)} "
+                                   f"(keys {', '.join(delta.source_keys) or '?'}); nothing was written")
+    return abs(delta.scale) * delta.rank * amax_a * amax_b < torch.finfo(dtype).max / 2
 
 
 def fuse_weight_(
@@ -195,32 +234,40 @@ def fuse_weight_(
     name: str = "",
     row_start: int = 0,
     workspace: _Workspace | None = None,
+    bounded: bool | None = None,
+    check_finite: bool = False,
 ) -> str:
     """``weight[row_start:] += sign * delta.scale * B @ A`` in place, in row chunks; returns the kernel used.
 
     ``compute_device``: where the matmul runs -- the weight's own device, or an accelerator for a CPU
-    weight, or None for the CPU path. Raises ``_DeviceFailure`` when the accelerator fails for a CPU weight
-    (nothing half-written: ``rows_done`` rows were written back), ``NonFiniteFusionError`` before writing a
-    non-finite chunk, ``PartiallyFusedError`` when this weight was partly written and cannot be completed.
+    weight, or None for the CPU path. ``bounded``: ``_lora_bound``'s answer (computed here when None);
+    ``check_finite``: check every chunk (module doc). Raises ``_DeviceFailure`` when the accelerator fails for a
+    CPU weight (``rows_done`` rows were written back), ``NonFiniteFusionError`` before writing a non-finite
+    chunk, ``PartiallyFusedError`` when this weight was partly written and cannot be completed.
     """
+    if bounded is None:
+        bounded = _lora_bound(delta, weight.dtype, name)
     alpha = sign * delta.scale
     rows = weight.shape[0]
+    same_dtype = delta.A.dtype == delta.B.dtype == weight.dtype
     if compute_device is not None and compute_device.type != "cpu":
-        return _fuse_on_device(weight, delta, alpha, compute_device, chunk_rows, name, row_start)
+        in_place = same_dtype and bounded and not check_finite
+        return _fuse_on_device(weight, delta, alpha, compute_device, chunk_rows, name, row_start,
+                               in_place=in_place, check=not in_place)
     workspace = workspace or _Workspace()
     kernel = cpu_kernel(weight.dtype)
-    same_dtype = delta.A.dtype == delta.B.dtype == weight.dtype
-    if kernel == "native" and not (same_dtype and _overflow_safe(delta, weight.dtype)):
-        kernel = "fp32-chunks"  # exactness first: mixed dtypes or a possible overflow use the checked path
+    if kernel == "native" and not (same_dtype and bounded):
+        kernel = "fp32-chunks"  # exactness first: mixed dtypes or a possible overflow use the fp32 path
     if kernel == "native":
         for r0 in range(row_start, rows, chunk_rows):
             r1 = min(rows, r0 + chunk_rows)
             chunk = weight[r0:r1]
             chunk.addmm_(delta.B[r0:r1], delta.A, alpha=alpha)
-            if not _finite(chunk, weight.dtype):  # A, B, s finite and bounded: the base rows were not finite
+            if check_finite and not _finite(chunk, weight.dtype):  # bounded delta: the base rows were not finite
                 raise PartiallyFusedError(f"{name}.weight rows {r0}:{r1} are NaN/inf after fusing (is the base "
                                           f"weight finite?); the module is partially fused, abort the load")
         return kernel
+    check = check_finite or not bounded
     compute = torch.promote_types(weight.dtype, torch.float32)
     a, b = delta.A.to(compute), delta.B.to(compute)
     step = max(1, min(chunk_rows, _CPU_CHUNK_BYTES // max(1, weight.shape[1] * 4)))
@@ -229,7 +276,7 @@ def fuse_weight_(
         buf = workspace.rows(r1 - r0, weight.shape[1], compute)
         buf.copy_(weight[r0:r1])
         buf.addmm_(b[r0:r1], a, alpha=alpha)
-        if not _finite(buf, weight.dtype):
+        if check and not _finite(buf, weight.dtype):
             _raise_non_finite(name, r0, r1, written=r0 > 0)  # rows before row_start: fused on the device
         weight[r0:r1].copy_(buf)
     return kernel
@@ -243,14 +290,16 @@ def _raise_non_finite(name: str, r0: int, r1: int, *, written: bool) -> None:
     raise NonFiniteFusionError(f"{message}; nothing of this weight was written")
 
 
-def _fuse_on_device(weight, delta, alpha, device, chunk_rows, name, row_start) -> str:
-    """Fuse on ``device``: in place for a weight living there, else rows staged H2D, computed, copied back."""
+def _fuse_on_device(weight, delta, alpha, device, chunk_rows, name, row_start, *, in_place, check) -> str:
+    """Fuse on ``device``: for a weight living there, rows in place; else rows staged H2D, fused, copied back.
+    ``in_place``: ``addmm_`` in the weight's dtype straight into the (staged) rows, unchecked (a bounded
+    delta, module doc); else in fp32, each chunk checked before it is written."""
     on_host = weight.device.type == "cpu"
     rows, done = weight.shape[0], row_start
-    compute = torch.promote_types(weight.dtype, torch.float32)
+    compute = weight.dtype if in_place else torch.promote_types(weight.dtype, torch.float32)
     try:
-        a = delta.A.to(device).to(compute)
-        b = delta.B.to(device).to(compute)
+        a = delta.A.to(device=device, dtype=compute)
+        b = delta.B.to(device=device, dtype=compute)
     except Exception as exc:
         if on_host:
             raise _DeviceFailure(done, exc) from exc
@@ -259,24 +308,28 @@ def _fuse_on_device(weight, delta, alpha, device, chunk_rows, name, row_start) -
         r1 = min(rows, r0 + chunk_rows)
         try:
             staged = weight[r0:r1].to(device)  # H2D for a CPU weight; a view for a device weight
-            acc = staged.to(compute) if staged.dtype != compute else staged if on_host else staged.clone()
+            if in_place:
+                acc = staged
+            else:
+                acc = staged.to(compute) if staged.dtype != compute else staged if on_host else staged.clone()
             acc.addmm_(b[r0:r1], a, alpha=alpha)
             result = acc.to(weight.dtype) if acc.dtype != weight.dtype else acc
-            ok = _finite(result, weight.dtype)
+            ok = not check or _finite(result, weight.dtype)
         except Exception as exc:
             if on_host:
                 raise _DeviceFailure(done, exc) from exc
-            if done > 0:
+            if done > 0 or in_place:
                 raise PartiallyFusedError(f"{name}.weight failed on {device} after rows 0:{done} "
                                           f"were fused: {exc}; abort the load") from exc
             raise
         if not ok:
             _raise_non_finite(name, r0, r1, written=done > 0)
-        try:
-            weight[r0:r1].copy_(result)  # D2H for a CPU weight
-        except Exception as exc:
-            raise PartiallyFusedError(f"copying fused rows {r0}:{r1} of {name}.weight back from {device} failed "
-                                      f"({exc}); the weight may be half-written, abort the load") from exc
+        if on_host or not in_place:  # in place on the device: the rows are already written
+            try:
+                weight[r0:r1].copy_(result)  # D2H for a CPU weight
+            except Exception as exc:
+                raise PartiallyFusedError(f"copying fused rows {r0}:{r1} of {name}.weight back from {device} "
+                                          f"failed ({exc}); the weight may be half-written, abort the load") from exc
         done = r1
     return "device"
 
@@ -292,7 +345,7 @@ def _add_full(target: torch.Tensor, delta: torch.Tensor, sign: int, name: str) -
 
 # ---- the module-level API ------------------------------------------------------------------------------
 def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
-    """Resolve and check every target before any write (names, shapes, devices)."""
+    """Resolve and check every target before any write (names, shapes, devices, finite factors, bounds)."""
     modules, params = dict(module.named_modules()), dict(module.named_parameters())
     out = []
     for name, delta in deltas.items():
@@ -314,10 +367,14 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
             raise LoraFusionError(f"{name}: bias delta {tuple(delta.bias_delta.shape)} but the module's bias is "
                                   f"{None if bias is None else tuple(bias.shape)}")
         out.append((name, weight, bias, delta))
-    return out
+    factored = [(name, weight, delta) for name, weight, _, delta in out if delta.A is not None]
+    maxima = _factor_maxima([delta for *_, delta in factored])
+    bounded = {name: _lora_bound(delta, weight.dtype, name, m) for (name, weight, delta), m in zip(factored, maxima)}
+    return [(*target, bounded.get(target[0], False)) for target in out]
 
 
-def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int) -> FuseStats:
+def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
+                  check_finite: bool) -> FuseStats:
     """The one loop behind ``fuse_lora`` (sign=+1) and ``unfuse_lora`` (sign=-1)."""
     start = time.perf_counter()
     if chunk_mb <= 0:
@@ -328,14 +385,15 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
     used_accel, kernels_used = None, set()
     params = fallbacks = 0
     with torch.no_grad():
-        for name, weight, bias, delta in targets:
+        for name, weight, bias, delta, bounded in targets:
             try:
                 if delta.A is not None:
                     device = weight.device if weight.device.type != "cpu" else accelerator
                     chunk_rows = max(1, (chunk_mb << 20) // max(1, weight.shape[1] * weight.element_size()))
                     try:
                         used = fuse_weight_(weight, delta, sign=sign, compute_device=device, chunk_rows=chunk_rows,
-                                            name=name, workspace=workspace)
+                                            name=name, workspace=workspace, bounded=bounded,
+                                            check_finite=check_finite)
                     except _DeviceFailure as failure:
                         fallbacks += 1
                         if failure.rows_done:
@@ -347,7 +405,8 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
                                            device, name, tuple(weight.shape), type(failure.cause).__name__,
                                            str(failure.cause).splitlines()[0], failure.rows_done)
                         used = fuse_weight_(weight, delta, sign=sign, compute_device=None, chunk_rows=chunk_rows,
-                                            name=name, row_start=failure.rows_done, workspace=workspace)
+                                            name=name, row_start=failure.rows_done, workspace=workspace,
+                                            bounded=bounded, check_finite=check_finite)
                     if used == "device":
                         used_accel = used_accel or str(device)
                     else:
@@ -375,14 +434,17 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
     return stats
 
 
-def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
-    """Add every delta to ``module``'s weights in place (see the module doc for the device rule)."""
-    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb)
+def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
+              check_finite: bool = False) -> FuseStats:
+    """Add every delta to ``module``'s weights in place (see the module doc for the device rule and what
+    ``check_finite`` adds to the integrity checks that always run)."""
+    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, check_finite=check_finite)
 
 
-def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
+def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
+                check_finite: bool = False) -> FuseStats:
     """Subtract what ``fuse_lora`` added (exact up to the weight dtype's rounding)."""
-    return _apply_deltas(module, deltas, sign=-1, chunk_mb=chunk_mb)
+    return _apply_deltas(module, deltas, sign=-1, chunk_mb=chunk_mb, check_finite=check_finite)
 
 
 def fuse_lora_files(
@@ -392,6 +454,7 @@ def fuse_lora_files(
     strict: bool = True,
     chunk_mb: int = 256,
     packed_modules: Mapping[str, Sequence[str]] | None = None,
+    check_finite: bool = False,
 ) -> FuseStats:
     """Load, normalize and validate every LoRA file first, then fuse them one after the other."""
     items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
@@ -403,7 +466,7 @@ def fuse_lora_files(
     total = None
     for i, (path, deltas) in enumerate(prepared):
         try:
-            stats = fuse_lora(module, deltas, chunk_mb=chunk_mb)
+            stats = fuse_lora(module, deltas, chunk_mb=chunk_mb, check_finite=check_finite)
         except Exception as exc:
             if i == 0 or isinstance(exc, PartiallyFusedError):
                 raise

@@ -239,10 +239,10 @@ class _Sender:
     """Rank 0: the weight stream ``load_into_module`` consumes; between tensors it fuses and broadcasts."""
 
     def __init__(self, *, what, channel, source, keys, plan, digest, targets, module, files, chunk_mb,
-                 progress) -> None:
+                 check_finite, progress) -> None:
         self.what, self.channel, self.source, self.keys, self.plan = what, channel, source, keys, plan
         self.digest, self.targets, self.module, self.files = digest, targets, module, files
-        self.chunk_mb, self.progress = chunk_mb, progress
+        self.chunk_mb, self.check_finite, self.progress = chunk_mb, check_finite, progress
         self.parts = _lora_parts(module, files)
         self.pending: dict[tuple[int, str], set[str]] = {}
         self.handshaken = False
@@ -301,7 +301,7 @@ class _Sender:
                                          d.bias_delta if "bias" in parts else None,
                                          d.full_delta if weight else None, d.source_keys)
                 self.fused.add((i, name))
-            stats = fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb)
+            stats = fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite)
             self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
         self.pending.clear()
         self.nested["lora"] += time.perf_counter() - started
@@ -366,7 +366,7 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
             files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
-                         progress=progress)
+                         check_finite=options.lora_check_finite, progress=progress)
         started = time.perf_counter()
         result = load_into_module(module, weights=sender.stream(), source=source,
                                   strict_unexpected=options.strict_unexpected, progress=progress)

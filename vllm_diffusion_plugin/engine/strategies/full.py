@@ -24,10 +24,11 @@ def load_full(source: ComponentSource, *, context: LoadContext,
         module = build_component(source, dtype=context.dtype, device="cpu")
     with report.phase("read"):
         result = load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
-                                  progress=context.progress)
+                                  progress=context.progress, map_private=True)  # untouched weights: no copy
     stats = None
     if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
         with report.phase("lora"):
             stats = fuse_lora_files(module, lora_files, strict=options.lora_strict,
-                                    chunk_mb=options.lora_device_chunk_mb)
+                                    chunk_mb=options.lora_device_chunk_mb,
+                                    check_finite=options.lora_check_finite)
     return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)

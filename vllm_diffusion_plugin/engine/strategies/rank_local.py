@@ -127,7 +127,8 @@ class LocalShards(nn.Module):
             owner.register_parameter("bias", nn.Parameter(bias.detach(), requires_grad=False))
 
 
-def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int):
+def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int,
+                    check_finite: bool = False):
     """Fuse LoRA deltas into this rank's rows of ``module``'s (sharded) weights: ``W[rows] += s * B[rows] @ A``
     (and the same rows of bias/full deltas), file after file. Returns the summed ``FuseStats`` or None."""
     from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
@@ -154,7 +155,7 @@ def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk
                                      None if delta.bias_delta is None else delta.bias_delta[rows],
                                      None if delta.full_delta is None else delta.full_delta[rows],
                                      delta.source_keys)
-        stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb)
+        stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb, check_finite=check_finite)
         total = stats if total is None else total + stats
     return total
 
@@ -213,7 +214,8 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     lora = None
     if files:
         with report.phase("lora"):
-            lora = fuse_local_rows(module, files, chunk_mb=options.lora_device_chunk_mb)
+            lora = fuse_local_rows(module, files, chunk_mb=options.lora_device_chunk_mb,
+                                   check_finite=options.lora_check_finite)
     logger.info("Rank-local load of %s: read %d tensors' own rows (%.3f GB of %.3f GB) into local shards on %s%s",
                 origin, len(loaded), stats.total_bytes / 1e9, source.total_bytes / 1e9, device,
                 f"; fused {lora.targets} LoRA targets shard-locally" if lora else "")
