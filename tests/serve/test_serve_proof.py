@@ -2,8 +2,8 @@
 of the pipeline diffusers merged, at 1 rank and under ``--use-hsdp`` at 2 ranks with every weight-load strategy.
 
 Skipped unless ``VLLM_DIFFUSION_SERVE_PROOF=1`` (run by ``.ci/omni-serve.sh`` in the ``[omni]`` environment).
-On a CPU-only host the servers run on this package's CPU platform (``VLLM_DIFFUSION_OMNI_CPU=1``); set
-``VLLM_DIFFUSION_SERVE_PROOF_DEVICE=gpu`` to serve on vllm-omni's own GPU platform instead.
+On a CPU-only host the servers run on this package's CPU platform (``VLLM_DIFFUSION_OMNI_CPU=1``); where CUDA
+works they run on vllm-omni's own GPU platform (``VLLM_DIFFUSION_SERVE_PROOF_DEVICE=cpu|gpu`` forces one).
 
 Servers start one at a time, in this order (each stopped before the next starts):
 
@@ -37,7 +37,8 @@ import pytest
 import serve_proof as sp
 
 ENABLED = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF", "").strip().lower() in ("1", "true", "yes", "on")
-CPU = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DEVICE", "cpu") != "gpu"
+DEVICE = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DEVICE", "auto")  # cpu | gpu | auto (gpu when CUDA works)
+CPU = DEVICE == "cpu" or (DEVICE == "auto" and not __import__("torch").cuda.is_available())
 READY_TIMEOUT_S = float(os.environ.get("VLLM_DIFFUSION_SERVE_READY_TIMEOUT_S", "600"))
 MAX_MEAN_ABS, MAX_ABS, CONTROL_FACTOR = 0.5, 8, 10.0
 STRATEGIES = ("full", "broadcast", "rank_local")
