@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI stage: the serving proof in real vllm-omni servers (tests/serve), in the [omni] environment.
-#   .ci/omni-serve.sh VENV_DIR        e.g. .ci/omni-serve.sh .venv-omni
+#   .ci/omni-serve.sh [VENV_DIR]      e.g. .ci/omni-serve.sh .venv-omni (default: the active environment)
 # Builds a tiny Wan2.2 pipeline with two LoRAs, starts `vllm serve DIR --omni` servers one at a time on
 # 127.0.0.1 (the CPU platform of this package on a CPU-only host) and compares their videos. Fails on any test
 # failure, on pytest collecting or running no test, and on the stage timeout. Prints time-to-ready per server,
@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${1:?usage: .ci/omni-serve.sh VENV_DIR}
+VENV=${1:-$(dirname "$(dirname "$(command -v python3)")")}   # default: the active environment
 PYTHON="$VENV/bin/python"
 [ -x "$PYTHON" ] || { echo "omni-serve: $PYTHON not found" >&2; exit 1; }
 [ -x "$VENV/bin/vllm" ] || { echo "omni-serve: $VENV/bin/vllm not found (install .[omni,test])" >&2; exit 1; }

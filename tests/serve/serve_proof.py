@@ -31,7 +31,8 @@ VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height":
               "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",
               "boundary_ratio": "0.875", "seed": "1234", "fps": "8"}
 REPORT_PREFIX = "diffusion-hsdp load report:"
-"""The INFO line our load path writes per DiT component and rank (vllm_diffusion_plugin.doors.omni.load_path)."""
+"""The INFO line the vllm-omni door's load path writes per DiT and rank (``doors/omni/load_path.py``,
+``ComponentLoadReport.line``; tests/serve/test_proof_helpers.py checks the two agree)."""
 LORA_RANK, LORA_ALPHA = 4, 8.0
 
 
@@ -165,7 +166,8 @@ def server_env(*, plugin: bool, cpu: bool) -> dict[str, str]:
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)})
     if cpu:
-        env |= {"VLLM_DIFFUSION_OMNI_CPU": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        # 2 CPU "devices" for the 2-rank servers even on a 1-core runner (the default is one per core)
+        env |= {"VLLM_DIFFUSION_OMNI_CPU": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_DIFFUSION_OMNI_CPU_DEVICES": "2"}
     return env
 
 
@@ -319,8 +321,8 @@ _FIELD = re.compile(r"(\w+)=(\S+)")
 
 
 def load_reports(log_text: str) -> list[dict[str, str]]:
-    """Every ``diffusion-hsdp load report: key=value ...`` line of a server log, as a dict per line (the line's
-    format lives in ``vllm_diffusion_plugin.doors.omni.load_path``; adapt :data:`REPORT_PREFIX` here if it moves)."""
+    """Every ``diffusion-hsdp load report: key=value ...`` line of a server log, as a dict per line (the line is
+    written by ``vllm_diffusion_plugin.doors.omni.load_path.ComponentLoadReport.line``)."""
     reports = []
     for line in log_text.splitlines():
         _, sep, rest = line.partition(REPORT_PREFIX)

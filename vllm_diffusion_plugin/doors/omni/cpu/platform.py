@@ -29,10 +29,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 from vllm_diffusion_plugin import envs
-from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.doors.omni import _patching
-
-logger = init_logger(__name__)
 
 ATTENTION_BACKEND = "vllm_diffusion_plugin.doors.omni.cpu.attention.CpuSDPABackend"
 SUPPORTED_ATTENTION = ("TORCH_SDPA", "SDPA")
