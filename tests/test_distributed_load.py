@@ -180,14 +180,16 @@ def small_buckets(rank: int, checkpoint: str, lora: str) -> dict:
     from vllm_diffusion_plugin.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.config import LoadOptions
     from vllm_diffusion_plugin.report import LoadReport
+    from vllm_diffusion_plugin.pipeline import LoraSpec, prepare_loras
     from vllm_diffusion_plugin.weight_broadcast import BroadcastChannel, load_broadcast
 
     channel = BroadcastChannel(timeout_s=60, bucket_bytes=3000, device=torch.device("cpu"))
     try:
         out = {}
         for source in resolve_checkpoint(checkpoint):
+            loras = prepare_loras(source, [LoraSpec(Path(lora))], dtype=torch.float32, strict=True)
             result = load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(),
-                                    lora_files=[(lora, 1.0)], report=LoadReport())
+                                    loras=loras, report=LoadReport())
             out[source.name] = {k: v.detach().clone() for k, v in result.module.state_dict().items()}
         return out
     finally:
@@ -311,7 +313,7 @@ def victim_worker(rank: int, world_size: int, checkpoint: str, victim: int, mode
     channel = BroadcastChannel(timeout_s=timeout_s, bucket_bytes=2000, device=torch.device("cpu"))
     started = time.monotonic()
     try:
-        load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(), lora_files=[],
+        load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(), loras=[],
                        report=LoadReport())
         outcome = {"error": None}
     except Exception as exc:

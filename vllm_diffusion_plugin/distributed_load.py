@@ -75,7 +75,7 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
         raise StrategyError(f"hsdp_weight_load must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "full":
         return strategy
-    concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s.name)]
+    concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s)]
     for source in concerned:
         cls = component_class(source)
         if callable(getattr(cls, "load_weights", None)):
@@ -100,20 +100,6 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
         logger.info("hsdp_weight_load=%s with a single process: loading with 'full'.", strategy)
         return "full"
     return strategy
-
-
-def normalize_lora_files(module: nn.Module, files: Sequence[tuple[str, float]], *,
-                         strict: bool) -> list[dict[str, Any]]:
-    """Read and validate every LoRA file against ``module`` (a meta skeleton is enough); one delta dict per
-    file, fused in this order. Nothing is touched."""
-    from vllm_diffusion_plugin.lora import load_lora, normalize_lora
-
-    out = []
-    for path, scale in files:
-        lora = load_lora(path)
-        out.append(normalize_lora(lora.state_dict, module, scale=scale, strict=strict,
-                                  adapter_config=lora.adapter_config))
-    return out
 
 
 # ---- rank_local ------------------------------------------------------------------------------------------
@@ -254,8 +240,7 @@ def _materialize_local_shards(module: nn.Module, device: torch.device, buffers: 
 
 
 def load_rank_local(source: ComponentSource, *, mesh, hsdp, device: torch.device, dtype: torch.dtype,
-                    options: LoadOptions, lora_files: Sequence[tuple[str, float]],
-                    report: LoadReport) -> ComponentLoad:
+                    options: LoadOptions, loras: Sequence[Any], report: LoadReport) -> ComponentLoad:
     """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA."""
     from torch.distributed.tensor import DTensor
 
@@ -269,8 +254,7 @@ def load_rank_local(source: ComponentSource, *, mesh, hsdp, device: torch.device
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
         # diffusers' dtype rule (_keep_in_fp32_modules) on meta: parameters only; buffers are restored later
         materialize(module, device="meta", dtype=dtype, keep_fp32=_fp32_module_names(component_class(source)))
-    with report.phase("lora"):
-        files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
+    files = [lora.deltas for lora in loras]  # lora.PreparedLora, validated before any read
     with report.phase("shard"):
         shard = apply_hsdp(module, mesh=mesh, config=hsdp, pattern=options.hsdp_block_pattern, allow_meta=True)
         _materialize_local_shards(module, device, buffers)

@@ -93,6 +93,16 @@ def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict
     return assigned
 
 
+def prepare_loras(source: ComponentSource, specs: Sequence[LoraSpec], *, dtype: torch.dtype, strict: bool) -> list:
+    """The LoRA files of one DiT read and checked (keys, ranks, shapes) against its skeleton built on ``meta``
+    from its config, before any of its weights is read; ``lora.PreparedLora`` per file, in fusion order."""
+    from vllm_diffusion_plugin.lora import prepare_lora_files
+    from vllm_diffusion_plugin.skeleton import build_component
+
+    skeleton = build_component(source, dtype=dtype, device="meta")
+    return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict)
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place in the job (one process when torch.distributed is not initialized)."""
@@ -138,13 +148,15 @@ def load_components(
     dtype: torch.dtype,
     hsdp: HSDPConfig | None = None,
     lora_specs: Sequence[LoraSpec] = (),
+    progress: bool | None = None,
 ) -> LoadedComponents:
     """Load a diffusers checkpoint's components on this rank, ending sharded (HSDP) or on ``device``.
 
     Transformers get the LoRA files and, when ``hsdp`` is given, FSDP2 sharding over a
     ``(replicate, shard)`` mesh of the current world; other components are loaded and placed on ``device``.
     ``options.hsdp_weight_load`` picks how the ranks get the weights (``distributed_load``); every rank of
-    the world must call this with the same arguments.
+    the world must call this with the same arguments. ``progress``: progress bars on rank 0 when stderr is a
+    terminal -- True for every step, None only for reads over 1 GiB, False never.
     """
     from vllm_diffusion_plugin.distributed_load import check_strategy
     from vllm_diffusion_plugin.hsdp import build_mesh
@@ -159,20 +171,23 @@ def load_components(
             report.layout = hsdp.mesh_shape
         with report.phase("resolve"):
             sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
-        transformers = [s.name for s in sources if is_transformer(s.name)]
-        loras = assign_loras(lora_specs, transformers) if lora_specs else {}
+        transformers = [s.name for s in sources if is_transformer(s)]
+        assigned = assign_loras(lora_specs, transformers) if lora_specs else {}
         report.strategy = check_strategy(options.hsdp_weight_load, sources=sources, world_size=world.world_size,
                                          sharded=hsdp is not None)
+        with report.phase("lora"):  # LoRA files checked against meta skeletons: errors before any base read
+            loras = {s.name: prepare_loras(s, assigned[s.name], dtype=dtype, strict=options.lora_strict)
+                     for s in sources if assigned.get(s.name)}
         mesh = build_mesh(hsdp, device_type=device.type) if hsdp is not None else None
         step = _LoadStep(options=options, device=device, dtype=dtype, hsdp=hsdp, mesh=mesh, report=report,
-                         progress=None if world.rank == 0 else False)
+                         progress=progress if world.rank == 0 else False)
         loaded = LoadedComponents({}, {s.name: s for s in sources}, report)
         if report.strategy == "broadcast":
             step.open_channel()
         for source in sources:
-            files = [(str(s.path), s.scale) for s in loras.get(source.name, [])]
             loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
-                                                    lora_files=files, shard_reports=loaded.shard_reports)
+                                                    loras=loras.get(source.name, []),
+                                                    shard_reports=loaded.shard_reports)
         step.close()  # not after a failure: a group with a dead or stalled peer may block in its teardown
     report.finish()
     return loaded
@@ -202,8 +217,7 @@ class _LoadStep:
             self.channel.close()
             self.channel = None
 
-    def load(self, source: ComponentSource, *, is_dit: bool, lora_files: list[tuple[str, float]],
-             shard_reports: dict[str, object]) -> nn.Module:
+    def load(self, source: ComponentSource, *, is_dit: bool, loras: list, shard_reports: dict[str, object]) -> nn.Module:
         from vllm_diffusion_plugin.distributed_load import load_rank_local
         from vllm_diffusion_plugin.hsdp import apply_hsdp
         from vllm_diffusion_plugin.postprocess import process_weights_after_loading
@@ -217,12 +231,12 @@ class _LoadStep:
         # ---- read: every rank everything / rank 0 then broadcast / each rank its own rows (already sharded)
         if strategy == "rank_local" and sharded:
             out = load_rank_local(source, mesh=self.mesh, hsdp=self.hsdp, device=self.device, dtype=self.dtype,
-                                  options=self.options, lora_files=lora_files, report=report)
+                                  options=self.options, loras=loras, report=report)
         elif strategy == "broadcast":
             out = load_broadcast(source, channel=self.channel, dtype=self.dtype, options=self.options,
-                                 lora_files=lora_files, report=report, progress=self.progress)
+                                 loras=loras, report=report, progress=self.progress)
         else:
-            out = self._load_full(source, lora_files)
+            out = self._load_full(source, loras)
         module = out.module.requires_grad_(False)  # inference: FSDP2 then accepts mixed fp32/bf16 params
         entry.bytes_read, entry.tensors = out.bytes_read, out.tensors
         entry.param_bytes_total = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -245,16 +259,16 @@ class _LoadStep:
             else:
                 module.to(self.device)
                 entry.param_bytes_local = entry.param_bytes_total
-        logger.info("Loaded %s (%s) from %s with %s: %d tensors, %.3f GB read, LoRA keys fused %d, on %s%s",
+        logger.info("Loaded %s (%s) from %s with %s: %d tensors, %.3f GB read, LoRA targets fused %d, on %s%s",
                     source.name, entry.class_name, source.folder, strategy, entry.tensors, entry.bytes_read / 1e9,
                     entry.lora_keys_fused, self.device,
                     f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
         return module
 
-    def _load_full(self, source: ComponentSource, lora_files: list[tuple[str, float]]):
+    def _load_full(self, source: ComponentSource, loras: list):
         """Build the skeleton on the host, stream every weight into it, fuse LoRA on plain host tensors."""
         from vllm_diffusion_plugin.distributed_load import ComponentLoad
-        from vllm_diffusion_plugin.lora import fuse_lora_files
+        from vllm_diffusion_plugin.lora import fuse_prepared
         from vllm_diffusion_plugin.skeleton import build_component
         from vllm_diffusion_plugin.weights import load_into_module
 
@@ -264,20 +278,22 @@ class _LoadStep:
             result = load_into_module(module, source=source, strict_unexpected=self.options.strict_unexpected,
                                       progress=self.progress)
         stats = None
-        if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
+        if loras:  # the accelerator computes when it is usable (lora.fuse's device rule)
             with self.report.phase("lora"):
-                stats = fuse_lora_files(module, lora_files, strict=self.options.lora_strict,
-                                        chunk_mb=self.options.lora_device_chunk_mb)
+                stats = fuse_prepared(module, loras, chunk_mb=self.options.lora_device_chunk_mb)
         return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)
 
 
-def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike) -> list[Path]:
+def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None) -> list[Path]:
     """Write every loaded component as a diffusers folder ``out_dir/<name>`` holding its final (fused,
-    gathered) weights; sharded modules are gathered collectively and written by rank 0."""
+    gathered) weights; sharded modules are gathered collectively and written by rank 0 (other ranks may pass
+    None)."""
     from vllm_diffusion_plugin.hsdp import gather_full_state_dict
     from vllm_diffusion_plugin.skeleton import save_component
 
     rank = World.current().rank
+    if rank == 0 and out_dir is None:
+        raise ValueError("save_components: rank 0 needs an output folder")
     written = []
     for name, module in loaded.modules.items():
         with loaded.report.phase("save"):

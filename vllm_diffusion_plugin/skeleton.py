@@ -31,6 +31,7 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 
 from vllm_diffusion_plugin.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
+from vllm_diffusion_plugin.report import human_count
 
 logger = init_logger(__name__)
 
@@ -146,8 +147,8 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
         materialize(module, device=device, dtype=dtype, keep_fp32=_fp32_module_names(cls))
     module.eval()
     n_params = sum(p.numel() for p in module.parameters())
-    logger.info("Built %s (%s, %.3fB parameters, %s) on %s from %s without initializing weights",
-                cls.__name__, source.name, n_params / 1e9, dtype, device, source.folder / "config.json")
+    logger.info("Built %s (%s, %s parameters, %s) on %s from %s without initializing weights",
+                cls.__name__, source.name, human_count(n_params), dtype, device, source.folder / "config.json")
     return module
 
 

@@ -27,6 +27,7 @@ import datetime
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.checkpoint import ComponentSource
 from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.distributed_load import ComponentLoad, DistributedLoadError, normalize_lora_files
+from vllm_diffusion_plugin.distributed_load import ComponentLoad, DistributedLoadError
 from vllm_diffusion_plugin.report import LoadReport
 
 logger = init_logger(__name__)
@@ -312,7 +313,7 @@ def _report_early_failure(channel: BroadcastChannel, what: str, exc: BaseExcepti
 
 
 def load_broadcast(source: ComponentSource, *, channel: BroadcastChannel, dtype: torch.dtype, options: LoadOptions,
-                   lora_files: Sequence[tuple[str, float]], report: LoadReport,
+                   loras: Sequence[Any], report: LoadReport,
                    progress: bool | None = None) -> ComponentLoad:
     """Load ``source`` on every rank of ``channel``'s world; only rank 0 reads the checkpoint (see module doc).
 
@@ -349,8 +350,7 @@ def load_broadcast(source: ComponentSource, *, channel: BroadcastChannel, dtype:
 
     sender = None
     try:
-        with report.phase("lora"):
-            files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
+        files = [lora.deltas for lora in loras]  # lora.PreparedLora, validated before any read
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
                          progress=progress)

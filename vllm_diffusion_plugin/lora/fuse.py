@@ -41,12 +41,12 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 
 from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora.formats import LoraDelta, load_lora, normalize_lora
+from vllm_diffusion_plugin.lora.formats import LoraDelta
 
 logger = init_logger(__name__)
 
 __all__ = ["FuseStats", "LoraFusionError", "NonFiniteFusionError", "PartiallyFusedError", "cpu_kernel",
-           "fuse_lora", "fuse_lora_files", "fuse_weight_", "resolve_compute_device", "unfuse_lora"]
+           "fuse_lora", "fuse_lora_files", "fuse_prepared", "fuse_weight_", "resolve_compute_device", "unfuse_lora"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _CPU_CHUNK_BYTES = 5 << 20  # fp32 rows per CPU chunk: ~5 MiB stays cache-resident between addmm_ and check
@@ -393,22 +393,25 @@ def fuse_lora_files(
     chunk_mb: int = 256,
     packed_modules: Mapping[str, Sequence[str]] | None = None,
 ) -> FuseStats:
-    """Load, normalize and validate every LoRA file first, then fuse them one after the other."""
+    """Load, normalize and validate every LoRA file first (``prepare_lora_files``), then fuse them in order."""
+    from vllm_diffusion_plugin.lora.prepare import prepare_lora_files
+
     items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
-    prepared = []
-    for path, scale in items:
-        lora = load_lora(path)
-        prepared.append((lora.path, normalize_lora(lora.state_dict, module, scale=scale, strict=strict,
-                                                   adapter_config=lora.adapter_config, packed_modules=packed_modules)))
+    return fuse_prepared(module, prepare_lora_files(module, items, strict=strict, packed_modules=packed_modules),
+                         chunk_mb=chunk_mb)
+
+
+def fuse_prepared(module: nn.Module, prepared: Sequence, *, chunk_mb: int = 256) -> FuseStats:
+    """Fuse already validated LoRA files (``prepare.PreparedLora``, in order) into ``module``."""
     total = None
-    for i, (path, deltas) in enumerate(prepared):
+    for i, lora in enumerate(prepared):
         try:
-            stats = fuse_lora(module, deltas, chunk_mb=chunk_mb)
+            stats = fuse_lora(module, lora.deltas, chunk_mb=chunk_mb)
         except Exception as exc:
             if i == 0 or isinstance(exc, PartiallyFusedError):
                 raise
-            raise PartiallyFusedError(f"fusing {path} failed after {i} LoRA file(s) were fused ({exc}); the module "
-                                      f"is partially fused, abort the load") from exc
-        logger.info("Fused LoRA %s into %s (%d targets)", path, type(module).__name__, stats.targets)
+            raise PartiallyFusedError(f"fusing {lora.path} failed after {i} LoRA file(s) were fused ({exc}); the "
+                                      f"module is partially fused, abort the load") from exc
+        logger.info("Fused LoRA %s into %s (%d targets)", lora.path, type(module).__name__, stats.targets)
         total = stats if total is None else total + stats
     return total or FuseStats("cpu", None, 0, 0, 0, 0.0)
