@@ -245,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     # Logs go to stderr so that --json output on stdout stays parseable.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
+    from vllm_diffusion_plugin.noise import quiet_third_party
+
+    quiet_third_party(verbose=args.verbose)
     missing = _missing_cli_extra()
     if missing:
         print(f"vllm-diffusion: error: {missing}", file=sys.stderr)

@@ -84,8 +84,7 @@ def _first_error(workdir: Path) -> str | None:
             continue  # written while the rank was stopped
     if not errors:
         return None
-    first = min(errors, key=lambda e: (e["time"], e["rank"]))
-    return first["message"] if len(errors) == 1 else f"{first['message']} (rank {first['rank']})"
+    return min(errors, key=lambda e: (e["time"], e["rank"]))["message"]  # the cause precedes its echoes
 
 
 def stop(procs: list) -> None:

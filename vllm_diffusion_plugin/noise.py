@@ -18,6 +18,10 @@ HARMLESS = re.compile(
     r"|Triton is not installed|Triton not installed")
 """Messages dropped without ``--verbose``; the record's logger must be a third-party one (below)."""
 THIRD_PARTY = ("torch", "vllm", "py.warnings", "transformers", "diffusers", "huggingface_hub")
+EMITTERS = ("torch._opaque_base", "torch._library.opaque_object", "torch.utils.cpp_extension", "vllm.platforms",
+            "vllm.platforms.cpu", "vllm.platforms.rocm", "vllm._custom_ops")
+"""Loggers that warn while torch / vLLM are being imported, before their handlers exist: filtered at the
+logger itself (a logger's filters see every record it creates), set up before the import."""
 OURS = "vllm.vllm_diffusion_plugin"
 
 
@@ -39,6 +43,9 @@ def quiet_third_party(*, verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=HARMLESS.pattern)
+    for name in EMITTERS:
+        if _FILTER not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_FILTER)
     for name in (None, "torch", "vllm"):
         for handler in logging.getLogger(name).handlers:
             if _FILTER not in handler.filters:

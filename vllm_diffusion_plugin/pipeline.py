@@ -66,6 +66,9 @@ def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict
     ``transformer``, the low-noise one for ``transformer_2``); one spec and several transformers -> all
     transformers; anything else is ambiguous and an error.
     """
+    if specs and not transformers:
+        raise ValueError(f"{len(specs)} LoRA file(s) ({specs[0].path} ...) but no DiT is loaded (no component "
+                         f"whose class is a diffusers transformer); nothing would fuse them")
     assigned: dict[str, list[LoraSpec]] = {name: [] for name in transformers}
     unnamed = [s for s in specs if s.component is None]
     for spec in specs:
