@@ -353,3 +353,38 @@ def test_without_diffusers_the_command_names_the_extra_in_one_line(args):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = error_lines(proc.stderr)
     assert 'pip install "vllm-diffusion-plugin[cli]"' in line
+
+
+# ---- 6. progress on long work ---------------------------------------------------------------------------
+class _Terminal:
+    """A stderr that says it is a terminal and keeps what is written."""
+
+    def __init__(self) -> None:
+        self.text = []
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.text.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_progress_bars_for_reading_fusing_and_saving_on_a_terminal(tiny_wan_dir, tmp_path, monkeypatch, progress):
+    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.pipeline import LoraSpec, load_components, save_components
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    lora = write_tiny_lora(tmp_path / "lora.safetensors", build_tiny_model("wan"), seed=3)
+    loaded = load_components(tiny_wan_dir, options=LoadOptions(), components=["transformer"],
+                             device=torch.device("cpu"), dtype=torch.float32, lora_specs=[LoraSpec(lora)],
+                             progress=progress)
+    save_components(loaded, tmp_path / "out")
+    text = "".join(terminal.text)
+    bars = ("Loading transformer", "Fusing LoRA into transformer", "Saving transformer")
+    assert [bar in text for bar in bars] == [progress] * 3, text[-2000:]

@@ -139,7 +139,7 @@ def _pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
         done += n
 
 
-def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
+def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None):
     """Read this rank's rows of every checkpoint tensor that has a target; returns (keys loaded, stats).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
@@ -147,13 +147,26 @@ def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
     a row-sized host buffer that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache is
     not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
     """
-    from vllm_diffusion_plugin.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.progress import progress_bar
     from vllm_diffusion_plugin.weights import LoadStats
 
     stats, loaded = LoadStats(), set()
     if sys.byteorder != "little":
         raise CheckpointError(f"{source.folder}: rank_local reads little-endian safetensors bytes directly; this "
                               f"host is big-endian (use hsdp_weight_load=broadcast)")
+    bar = progress_bar(total=sum(1 for k in source.tensors if k in targets), unit="tensors", progress=progress,
+                       desc=f"Reading {source.name} (this rank's rows)", size=source.total_bytes)
+    try:
+        _read_rows_of_files(source, targets, stats, loaded, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return loaded, stats
+
+
+def _read_rows_of_files(source: ComponentSource, targets: dict[str, torch.Tensor], stats, loaded: set, bar) -> None:
+    from vllm_diffusion_plugin.checkpoint import read_safetensors_header
+
     with torch.no_grad():
         for file in source.files:
             keys = [k for k in source.keys_in(file) if k in targets]
@@ -181,7 +194,8 @@ def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
                             local.copy_(dst)
                         stats.add(file, (stop - start) * row_bytes)
                     loaded.add(key)
-    return loaded, stats
+                    if bar is not None:
+                        bar.update(1)
 
 
 class LocalShards(nn.Module):
@@ -240,7 +254,8 @@ def _materialize_local_shards(module: nn.Module, device: torch.device, buffers: 
 
 
 def load_rank_local(source: ComponentSource, *, mesh, hsdp, device: torch.device, dtype: torch.dtype,
-                    options: LoadOptions, loras: Sequence[Any], report: LoadReport) -> ComponentLoad:
+                    options: LoadOptions, loras: Sequence[Any], report: LoadReport,
+                    progress: bool | None = None) -> ComponentLoad:
     """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA."""
     from torch.distributed.tensor import DTensor
 
@@ -262,7 +277,7 @@ def load_rank_local(source: ComponentSource, *, mesh, hsdp, device: torch.device
     exempt = strict_check_exemptions(module)
     _validate(module, targets, source.tensors, exempt, options.strict_unexpected, origin)  # headers only
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets)
+        loaded, stats = _read_local_rows(source, targets, progress)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "

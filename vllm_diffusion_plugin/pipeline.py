@@ -128,6 +128,8 @@ class LoadedComponents:
     sources: dict[str, ComponentSource]
     report: LoadReport
     shard_reports: dict[str, object] = field(default_factory=dict)
+    progress: bool | None = None
+    """Progress bars for ``save_components`` (as ``load_components`` got)."""
 
 
 def resolve_target_device(requested: str) -> torch.device:
@@ -184,7 +186,7 @@ def load_components(
         mesh = build_mesh(hsdp, device_type=device.type) if hsdp is not None else None
         step = _LoadStep(options=options, device=device, dtype=dtype, hsdp=hsdp, mesh=mesh, report=report,
                          progress=progress if world.rank == 0 else False)
-        loaded = LoadedComponents({}, {s.name: s for s in sources}, report)
+        loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
         if report.strategy == "broadcast":
             step.open_channel()
         for source in sources:
@@ -234,7 +236,7 @@ class _LoadStep:
         # ---- read: every rank everything / rank 0 then broadcast / each rank its own rows (already sharded)
         if strategy == "rank_local" and sharded:
             out = load_rank_local(source, mesh=self.mesh, hsdp=self.hsdp, device=self.device, dtype=self.dtype,
-                                  options=self.options, loras=loras, report=report)
+                                  options=self.options, loras=loras, report=report, progress=self.progress)
         elif strategy == "broadcast":
             out = load_broadcast(source, channel=self.channel, dtype=self.dtype, options=self.options,
                                  loras=loras, report=report, progress=self.progress)
@@ -283,7 +285,8 @@ class _LoadStep:
         stats = None
         if loras:  # the accelerator computes when it is usable (lora.fuse's device rule)
             with self.report.phase("lora"):
-                stats = fuse_prepared(module, loras, chunk_mb=self.options.lora_device_chunk_mb)
+                stats = fuse_prepared(module, loras, chunk_mb=self.options.lora_device_chunk_mb,
+                                      progress=self.progress, name=source.name)
         return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)
 
 
@@ -305,6 +308,7 @@ def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None)
             else:
                 state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank == 0 else None
             if rank == 0:
-                written.append(save_component(state, loaded.sources[name].config, Path(out_dir) / name))
+                written.append(save_component(state, loaded.sources[name].config, Path(out_dir) / name,
+                                              progress=loaded.progress))
                 logger.info("Saved %s (%d tensors) to %s", name, len(state), written[-1])
     return written

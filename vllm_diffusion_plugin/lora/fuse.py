@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,7 +317,8 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
     return out
 
 
-def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int) -> FuseStats:
+def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
+                  on_target: Callable[[], object] | None = None) -> FuseStats:
     """The one loop behind ``fuse_lora`` (sign=+1) and ``unfuse_lora`` (sign=-1)."""
     start = time.perf_counter()
     if chunk_mb <= 0:
@@ -359,6 +360,8 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
                 if delta.bias_delta is not None:
                     _add_full(bias, delta.bias_delta, sign, f"{name}.bias")
                     params += 1
+                if on_target is not None:
+                    on_target()
             except PartiallyFusedError:
                 raise
             except Exception as exc:
@@ -375,9 +378,11 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
     return stats
 
 
-def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
-    """Add every delta to ``module``'s weights in place (see the module doc for the device rule)."""
-    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb)
+def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
+              on_target: Callable[[], object] | None = None) -> FuseStats:
+    """Add every delta to ``module``'s weights in place (see the module doc for the device rule);
+    ``on_target`` is called after each target (progress)."""
+    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, on_target=on_target)
 
 
 def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256) -> FuseStats:
@@ -401,12 +406,26 @@ def fuse_lora_files(
                          chunk_mb=chunk_mb)
 
 
-def fuse_prepared(module: nn.Module, prepared: Sequence, *, chunk_mb: int = 256) -> FuseStats:
-    """Fuse already validated LoRA files (``prepare.PreparedLora``, in order) into ``module``."""
+def fuse_prepared(module: nn.Module, prepared: Sequence, *, chunk_mb: int = 256, progress: bool | None = None,
+                  name: str = "") -> FuseStats:
+    """Fuse already validated LoRA files (``prepare.PreparedLora``, in order) into ``module``; a progress bar
+    over targets per ``progress.progress_bar``."""
+    from vllm_diffusion_plugin.progress import progress_bar
+
+    bar = progress_bar(total=sum(len(lora.deltas) for lora in prepared), unit="targets", progress=progress,
+                       desc=f"Fusing LoRA into {name or type(module).__name__}")
+    try:
+        return _fuse_in_order(module, prepared, chunk_mb, bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _fuse_in_order(module: nn.Module, prepared: Sequence, chunk_mb: int, on_target) -> FuseStats:
     total = None
     for i, lora in enumerate(prepared):
         try:
-            stats = fuse_lora(module, lora.deltas, chunk_mb=chunk_mb)
+            stats = fuse_lora(module, lora.deltas, chunk_mb=chunk_mb, on_target=on_target)
         except Exception as exc:
             if i == 0 or isinstance(exc, PartiallyFusedError):
                 raise
