@@ -8,7 +8,7 @@ gathered), the logits of a fixed hidden state (unsharded models), and any error'
 
 import json
 import os
-import socket
+from pathlib import Path
 import sys
 import traceback
 
@@ -23,16 +23,12 @@ from vllm.model_executor.model_loader import get_model  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(spec_path: str, out_dir: str) -> None:
     load_general_plugins()  # discovers and runs our entry point, as every vLLM process does
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+                                 distributed_init_method=f"file://{Path(out_dir) / 'store'}", backend="gloo")
     initialized = False
     hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     for scenario in json.loads(open(spec_path).read()):
