@@ -8,7 +8,8 @@ FSDP2 fixes the order: LoRA fusion and post-load processing run on plain tensors
 except with ``hsdp_weight_load=rank_local``, where the DiT is sharded on ``meta`` first, each rank reads its own
 rows and fuses LoRA into them (``distributed_load``). ``broadcast`` replaces "stream weights" by rank 0
 streaming and sending (``weight_broadcast``). Everything that can be validated (checkpoint layout, LoRA
-assignment, HSDP sizes, strategy) is validated before the first weight is read.
+assignment, HSDP sizes, strategy, and every LoRA file's format, keys, ranks and shapes against the DiT's meta
+skeleton) is validated before the first weight is read.
 """
 
 from __future__ import annotations
