@@ -161,8 +161,8 @@ def uncovered_tensor_is_named(checkpoint: str) -> str:
 
     real = distributed_load._read_local_rows
 
-    def skipping(source, targets):
-        loaded, stats = real(source, targets)
+    def skipping(source, targets, *args):
+        loaded, stats = real(source, targets, *args)
         return loaded - {"blocks.1.ffn.net.2.bias"}, stats
 
     distributed_load._read_local_rows = skipping
