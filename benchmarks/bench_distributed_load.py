@@ -42,7 +42,7 @@ def run_strategy(folder: Path, strategy: str, nproc: int) -> dict:
     """One ``vllm-diffusion load`` run; returns its merged JSON report plus the command's wall seconds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "vllm_diffusion_plugin.cli", "load", str(folder), "--nproc", str(nproc),
+    cmd = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli", "load", str(folder), "--nproc", str(nproc),
            "--device", "cpu", "--dtype", "bfloat16", "--hsdp-weight-load", strategy, "--json"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-    from vllm_diffusion_plugin.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
 
     folder = ensure_checkpoint(args.out_dir, args.size_gb)
     source = resolve_component(folder)

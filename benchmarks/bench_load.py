@@ -53,8 +53,8 @@ def _config(num_layers: int) -> dict:
 
 
 def _meta_bytes(num_layers: int) -> int:
-    from vllm_diffusion_plugin.checkpoint import ComponentSource
-    from vllm_diffusion_plugin.skeleton import build_component
+    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.skeleton import build_component
 
     src = ComponentSource(name="probe", folder=Path("."), files=(), format="safetensors", index=None,
                           config=MappingProxyType(_config(num_layers)))
@@ -63,8 +63,8 @@ def _meta_bytes(num_layers: int) -> int:
 
 def ensure_checkpoint(out_dir: Path, size_gb: float) -> Path:
     """The cached component folder for ``size_gb`` (generated on first use)."""
-    from vllm_diffusion_plugin.checkpoint import ComponentSource
-    from vllm_diffusion_plugin.skeleton import build_component, save_component
+    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.skeleton import build_component, save_component
 
     base, per_layer = _meta_bytes(1), _meta_bytes(2) - _meta_bytes(1)
     num_layers = max(1, math.ceil((size_gb * 1e9 - (base - per_layer)) / per_layer))
@@ -116,7 +116,7 @@ def touch_every_page(module: torch.nn.Module) -> float:
 
 
 def timed(fn, repeats: int, device: torch.device) -> list[float]:
-    from vllm_diffusion_plugin.platform import empty_cache, synchronize
+    from vllm_diffusion_plugin.engine.platform import empty_cache, synchronize
 
     times = []
     for _ in range(repeats):
@@ -142,9 +142,9 @@ def main(argv=None) -> dict:
 
     import diffusers
 
-    from vllm_diffusion_plugin.checkpoint import resolve_component
-    from vllm_diffusion_plugin.skeleton import build_component
-    from vllm_diffusion_plugin.weights import load_into_module
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.weights import load_into_module
 
     folder = ensure_checkpoint(args.out_dir, args.size_gb)
     source = resolve_component(folder)

@@ -52,7 +52,7 @@ def best_seconds(fns: dict, reps: int) -> dict[str, float]:
 
 
 def variants(out_f: int, in_f: int):
-    from vllm_diffusion_plugin.lora import LoraDelta, fuse_lora
+    from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 
     gen = torch.Generator().manual_seed(0)
     layer = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
@@ -89,7 +89,7 @@ def variants(out_f: int, in_f: int):
 
 
 def measure(threads: int, reps: int) -> dict:
-    from vllm_diffusion_plugin.lora import cpu_kernel
+    from vllm_diffusion_plugin.engine.lora import cpu_kernel
 
     torch.set_num_threads(threads)
     result = {}
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    from vllm_diffusion_plugin import platform
+    from vllm_diffusion_plugin.engine import platform
 
     platform.local_device = lambda: torch.device("cpu")  # measure the CPU path even where an accelerator exists
     cores = os.cpu_count() or 1

@@ -35,8 +35,8 @@ from typing import Any
 import torch.multiprocessing as mp
 
 
-DEFAULT_PRELOAD = ("torch", "torch.distributed.fsdp", "diffusers.models.transformers", "vllm_diffusion_plugin.hsdp",
-                   "vllm_diffusion_plugin.postprocess")
+DEFAULT_PRELOAD = ("torch", "torch.distributed.fsdp", "diffusers.models.transformers", "vllm_diffusion_plugin.engine.hsdp",
+                   "vllm_diffusion_plugin.engine.postprocess")
 """Modules the fork server imports once; every rank forked from it starts with them (a missing one is
 skipped silently by multiprocessing)."""
 

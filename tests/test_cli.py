@@ -11,7 +11,7 @@ import torch
 
 from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
 
-CLI = [sys.executable, "-m", "vllm_diffusion_plugin.cli"]
+CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
 
 
 def run_cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -46,7 +46,7 @@ def test_load_json_fuse_and_save_fused_round_trips_through_diffusers(tiny_wan_di
 
     saved = diffusers.WanTransformer3DModel.from_pretrained(out / "transformer")
     original = diffusers.WanTransformer3DModel.from_pretrained(tiny_wan_dir / "transformer")
-    from vllm_diffusion_plugin.lora import load_lora
+    from vllm_diffusion_plugin.engine.lora import load_lora
 
     sd = load_lora(lora).state_dict
     for name, param in original.named_parameters():
@@ -87,7 +87,7 @@ def test_load_two_ranks_hsdp_gathers_what_one_rank_loads(tiny_wan_dir, tmp_path)
     (["--lora", "missing.safetensors"], "LoRA file missing.safetensors does not exist"),
 ])
 def test_bad_input_is_one_clear_line_before_any_rank_starts(tiny_wan_dir, args, message, capsys, monkeypatch):
-    from vllm_diffusion_plugin import cli
+    from vllm_diffusion_plugin.doors import cli
 
     monkeypatch.setattr(cli, "_rank_main", lambda *a, **k: pytest.fail("a rank started despite bad input"))
     assert cli.main(["load", str(tiny_wan_dir), "--device", "cpu", *args]) == 1

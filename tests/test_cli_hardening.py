@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_diffusion_plugin import cli
+from vllm_diffusion_plugin.doors import cli
 from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
 
-CLI = [sys.executable, "-m", "vllm_diffusion_plugin.cli"]
+CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
 LOAD = ("--device", "cpu", "--dtype", "float32")
 
 
@@ -49,7 +49,7 @@ def keep_vllm_logging(monkeypatch):
 @pytest.fixture
 def no_base_read(monkeypatch):
     """Fail the test if any base weight is read (the error must come before)."""
-    from vllm_diffusion_plugin import weights
+    from vllm_diffusion_plugin.engine import weights
 
     def read(*args, **kwargs):
         raise AssertionError("a base weight was read before the bad input was reported")
@@ -79,7 +79,7 @@ def test_bare_dit_folder_is_sharded_under_two_ranks(tiny_wan_dir, tmp_path):
 
 
 def test_lora_without_any_dit_loaded_is_an_error(tiny_wan_dir, tmp_path, capsys):
-    from vllm_diffusion_plugin.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
 
     with pytest.raises(ValueError, match="no DiT"):
         assign_loras([LoraSpec(tmp_path)], [])
@@ -95,7 +95,7 @@ def test_a_lora_file_that_fuses_nothing_is_an_error_naming_it(tiny_wan_dir, tmp_
 
 def test_zero_targets_in_the_vllm_door_fusion_and_lora_strict_false(tmp_path, caplog):
     """The vLLM loader fuses through ``fuse_lora_files``: the same rule, a warning with strict=False."""
-    from vllm_diffusion_plugin.lora import NoLoraTargetsError, fuse_lora_files
+    from vllm_diffusion_plugin.engine.lora import NoLoraTargetsError, fuse_lora_files
     from vllm_diffusion_plugin.testing.logs import captured_logs
 
     model = build_tiny_model("wan")
@@ -202,7 +202,7 @@ def test_save_fused_from_a_pipeline_writes_a_loadable_pipeline(wan_with_schedule
 
 
 def test_a_failed_save_leaves_nothing_half_written(wan_with_scheduler, tmp_path, monkeypatch, capsys):
-    from vllm_diffusion_plugin import skeleton
+    from vllm_diffusion_plugin.engine import skeleton
 
     real, calls = skeleton.save_component, []
 
@@ -285,7 +285,7 @@ def test_help_describes_every_flag_and_shows_its_default():
 
 
 def test_pickle_refusal_names_the_switch_of_each_door(tiny_checkpoint_factory, capsys):
-    from vllm_diffusion_plugin.checkpoint import PickleRefusedError, resolve_checkpoint
+    from vllm_diffusion_plugin.engine.checkpoint import PickleRefusedError, resolve_checkpoint
 
     root = tiny_checkpoint_factory("flux", safe_serialization=False)
     assert cli.main(["load", str(root), *LOAD]) == 1
@@ -305,9 +305,9 @@ def test_a_missing_relative_path_is_a_missing_folder_not_a_hub_lookup(tmp_path, 
 
 
 def test_tiny_models_print_sizes_in_human_units(tiny_wan_dir):
-    from vllm_diffusion_plugin.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.report import human_count
-    from vllm_diffusion_plugin.skeleton import build_component
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.report import human_count
+    from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.testing.logs import captured_logs
 
     assert [human_count(n) for n in (950, 12_345, 4_500_000, 14_000_000_000)] == ["950", "12.3K", "4.5M", "14B"]
@@ -341,7 +341,7 @@ class Blocker:
         if name == "diffusers" or name.startswith("diffusers."):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Blocker())
-from vllm_diffusion_plugin.cli import main
+from vllm_diffusion_plugin.doors.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -375,8 +375,8 @@ class _Terminal:
 
 @pytest.mark.parametrize("progress", [True, False])
 def test_progress_bars_for_reading_fusing_and_saving_on_a_terminal(tiny_wan_dir, tmp_path, monkeypatch, progress):
-    from vllm_diffusion_plugin.config import LoadOptions
-    from vllm_diffusion_plugin.pipeline import LoraSpec, load_components, save_components
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, save_components
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm_diffusion_plugin.config import LoadOptions
+from vllm_diffusion_plugin.engine.config import LoadOptions
 
 
 def test_defaults(monkeypatch):

@@ -88,26 +88,27 @@ def inputs() -> dict:
 
 def forbid_weight_reads(monkeypatch_like=None) -> None:
     """Make every weight reader raise: a strategy check that runs after a read shows up as this error."""
-    from vllm_diffusion_plugin import distributed_load, weights
+    from vllm_diffusion_plugin.engine import weights
+    from vllm_diffusion_plugin.engine.strategies import rank_local
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the strategy was checked")
 
     if monkeypatch_like is None:
         weights._iter_file = refuse
-        distributed_load._read_local_rows = refuse
+        rank_local._read_local_rows = refuse
     else:
         monkeypatch_like.setattr(weights, "_iter_file", refuse)
-        monkeypatch_like.setattr(distributed_load, "_read_local_rows", refuse)
+        monkeypatch_like.setattr(rank_local, "_read_local_rows", refuse)
 
 
 # ---- the rank worker ----------------------------------------------------------------------------------------
 def load_once(strategy: str, dtype: torch.dtype, checkpoint: str, lora: str | None, replicate: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from vllm_diffusion_plugin.config import LoadOptions
-    from vllm_diffusion_plugin.hsdp import HSDPConfig, gather_full_state_dict
-    from vllm_diffusion_plugin.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, gather_full_state_dict
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
 
     loaded = load_components(checkpoint, options=LoadOptions(hsdp_weight_load=strategy), device=torch.device("cpu"),
                              dtype=dtype, hsdp=HSDPConfig(replicate_size=replicate),
@@ -140,9 +141,9 @@ def scenarios_worker(rank: int, world_size: int, replicate: int, checkpoint: str
     if bad_combo:
         results["uncovered"] = uncovered_tensor_is_named(checkpoint)
         # rank_local without HSDP on a multi-rank world: an error before any read, on every rank
-        from vllm_diffusion_plugin.config import LoadOptions
-        from vllm_diffusion_plugin.distributed_load import StrategyError
-        from vllm_diffusion_plugin.pipeline import load_components
+        from vllm_diffusion_plugin.engine.config import LoadOptions
+        from vllm_diffusion_plugin.engine.pipeline import load_components
+        from vllm_diffusion_plugin.engine.strategies import StrategyError
 
         forbid_weight_reads()
         try:
@@ -156,40 +157,40 @@ def scenarios_worker(rank: int, world_size: int, replicate: int, checkpoint: str
 
 def uncovered_tensor_is_named(checkpoint: str) -> str:
     """A rank-local read that leaves a tensor out must fail naming it (the reader is made to skip one key)."""
-    from vllm_diffusion_plugin import distributed_load
-    from vllm_diffusion_plugin.weights import WeightLoadError
+    from vllm_diffusion_plugin.engine.strategies import rank_local
+    from vllm_diffusion_plugin.engine.weights import WeightLoadError
 
-    real = distributed_load._read_local_rows
+    real = rank_local._read_local_rows
 
-    def skipping(source, targets, *args):
-        loaded, stats = real(source, targets, *args)
+    def skipping(source, targets):
+        loaded, stats = real(source, targets)
         return loaded - {"blocks.1.ffn.net.2.bias"}, stats
 
-    distributed_load._read_local_rows = skipping
+    rank_local._read_local_rows = skipping
     try:
         load_once("rank_local", torch.float32, checkpoint, None, 1)
         return "no error"
     except WeightLoadError as exc:
         return str(exc)
     finally:
-        distributed_load._read_local_rows = real
+        rank_local._read_local_rows = real
 
 
 def small_buckets(rank: int, checkpoint: str, lora: str) -> dict:
     """The broadcast with 3000-byte buckets (tensors span several), LoRA fused on rank 0: the received module."""
-    from vllm_diffusion_plugin.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.config import LoadOptions
-    from vllm_diffusion_plugin.report import LoadReport
-    from vllm_diffusion_plugin.pipeline import LoraSpec, prepare_loras
-    from vllm_diffusion_plugin.weight_broadcast import BroadcastChannel, load_broadcast
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.report import LoadReport
+    from vllm_diffusion_plugin.engine.strategies import LoadContext
+    from vllm_diffusion_plugin.engine.strategies.broadcast import BroadcastChannel, load_broadcast
 
     channel = BroadcastChannel(timeout_s=60, bucket_bytes=3000, device=torch.device("cpu"))
     try:
         out = {}
         for source in resolve_checkpoint(checkpoint):
-            loras = prepare_loras(source, [LoraSpec(Path(lora))], dtype=torch.float32, strict=True)
-            result = load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(),
-                                    loras=loras, report=LoadReport())
+            context = LoadContext(options=LoadOptions(), device=torch.device("cpu"), dtype=torch.float32,
+                                  report=LoadReport(), channel=channel)
+            result = load_broadcast(source, context=context, lora_files=[(lora, 1.0)])
             out[source.name] = {k: v.detach().clone() for k, v in result.module.state_dict().items()}
         return out
     finally:
@@ -292,10 +293,11 @@ def victim_worker(rank: int, world_size: int, checkpoint: str, victim: int, mode
     Every other rank writes what happened (error type, message, seconds) to ``out_dir/rank<N>.json``."""
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.config import LoadOptions
-    from vllm_diffusion_plugin.report import LoadReport
-    from vllm_diffusion_plugin.weight_broadcast import BroadcastChannel, load_broadcast
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.report import LoadReport
+    from vllm_diffusion_plugin.engine.strategies import LoadContext
+    from vllm_diffusion_plugin.engine.strategies.broadcast import BroadcastChannel, load_broadcast
 
     if rank == victim:
         original, calls = dist.broadcast, [0]
@@ -313,8 +315,9 @@ def victim_worker(rank: int, world_size: int, checkpoint: str, victim: int, mode
     channel = BroadcastChannel(timeout_s=timeout_s, bucket_bytes=2000, device=torch.device("cpu"))
     started = time.monotonic()
     try:
-        load_broadcast(source, channel=channel, dtype=torch.float32, options=LoadOptions(), loras=[],
-                       report=LoadReport())
+        context = LoadContext(options=LoadOptions(), device=torch.device("cpu"), dtype=torch.float32,
+                              report=LoadReport(), channel=channel)
+        load_broadcast(source, context=context, lora_files=[])
         outcome = {"error": None}
     except Exception as exc:
         outcome = {"error": type(exc).__name__, "message": str(exc)}
@@ -370,7 +373,7 @@ def test_sender_stalled_mid_broadcast_receivers_raise_at_the_timeout(uneven, tmp
 
 # ---- configuration -----------------------------------------------------------------------------------------
 def test_bucket_plan_is_single_dtype_bounded_and_covers_every_element_once():
-    from vllm_diffusion_plugin.weight_broadcast import plan_buckets, plan_digest
+    from vllm_diffusion_plugin.engine.strategies.broadcast import plan_buckets, plan_digest
 
     entries = [("a", 10, torch.float32), ("b", 3, torch.bfloat16), ("c", 25, torch.float32), ("d", 1, torch.float32),
                ("e", 7, torch.bfloat16), ("f", 0, torch.float32)]
@@ -400,14 +403,14 @@ def test_bucket_plan_is_single_dtype_bounded_and_covers_every_element_once():
     ({"hsdp_broadcast_timeout_s": 0}, "hsdp_broadcast_timeout_s must be positive"),
 ])
 def test_bad_option_values(extra, match):
-    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.engine.config import LoadOptions
 
     with pytest.raises(ValueError, match=match):
         LoadOptions.from_extra_config(extra)
 
 
 def test_strategy_from_env_and_extra_config(monkeypatch):
-    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.engine.config import LoadOptions
 
     monkeypatch.setenv("VLLM_DIFFUSION_HSDP_WEIGHT_LOAD", "rank_local")
     monkeypatch.setenv("VLLM_DIFFUSION_HSDP_BROADCAST_TIMEOUT_S", "12.5")
@@ -420,9 +423,9 @@ def test_strategy_from_env_and_extra_config(monkeypatch):
 
 
 def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch):
-    from vllm_diffusion_plugin import skeleton
-    from vllm_diffusion_plugin.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.distributed_load import StrategyError, check_strategy
+    from vllm_diffusion_plugin.engine import skeleton
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
 
     sources = resolve_checkpoint(tiny_wan_dir)
     assert check_strategy("rank_local", sources=sources, world_size=4, sharded=True) == "rank_local"
@@ -448,9 +451,9 @@ def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch
 
 
 def test_bad_combination_fails_before_any_read(tiny_checkpoint_factory, monkeypatch):
-    from vllm_diffusion_plugin.config import LoadOptions
-    from vllm_diffusion_plugin.distributed_load import StrategyError
-    from vllm_diffusion_plugin.pipeline import load_components
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.strategies import StrategyError
 
     forbid_weight_reads(monkeypatch)
     pickled = tiny_checkpoint_factory("wan", safe_serialization=False)
@@ -460,7 +463,7 @@ def test_bad_combination_fails_before_any_read(tiny_checkpoint_factory, monkeypa
 
 
 def test_cli_rejects_bad_combination_before_any_rank_starts(tiny_checkpoint_factory, monkeypatch, capsys):
-    from vllm_diffusion_plugin import cli
+    from vllm_diffusion_plugin.doors import cli
 
     monkeypatch.setattr(cli, "_rank_main", lambda args: pytest.fail("a rank started despite bad input"))
     pickled = tiny_checkpoint_factory("wan", safe_serialization=False)
@@ -484,9 +487,9 @@ def test_shard_local_fusion_takes_the_accelerator_for_host_rows_and_moves_only_t
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from vllm_diffusion_plugin.distributed_load import fuse_local_rows, local_rows
-    from vllm_diffusion_plugin.hsdp import HSDPConfig, apply_hsdp
-    from vllm_diffusion_plugin.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
+    from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_local_rows, local_rows
     from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
 
     model = build_tiny_model("wan")

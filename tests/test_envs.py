@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from vllm_diffusion_plugin import envs
-from vllm_diffusion_plugin.config import LoadOptions
+from vllm_diffusion_plugin.engine.config import LoadOptions
 
 GOOD = {"bool": ("on", True), "int": ("7", 7), "float": ("0.5", 0.5), "str": ("blocks", "blocks"),
         "list[str]": ("a.safetensors, b.safetensors", ("a.safetensors", "b.safetensors"))}

@@ -255,9 +255,9 @@ def test_reset_clears_counters_failures_and_platform_probe_cache(fake_accelerato
         probes.append(1)
         return "probed"
 
-    platform = types.ModuleType("vllm_diffusion_plugin.platform")
+    platform = types.ModuleType("vllm_diffusion_plugin.engine.platform")
     platform.usable_device = usable_device
-    monkeypatch.setitem(sys.modules, "vllm_diffusion_plugin.platform", platform)
+    monkeypatch.setitem(sys.modules, "vllm_diffusion_plugin.engine.platform", platform)
     usable_device()
     usable_device()
     torch.randn(2).to(fake_accelerator.device)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora import (
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora import (
     LoraFormatError,
     LoraRankError,
     LoraShapeError,
@@ -20,11 +20,11 @@ from vllm_diffusion_plugin.lora import (
     PartialPackedLoraError,
     UnmatchedLoraKeysError,
     UnsupportedLoraError,
-    formats,
     fuse_lora_files,
     load_lora,
     load_lora_state_dict,
     normalize_lora,
+    wan,
 )
 from vllm_diffusion_plugin.testing.logs import captured_logs
 
@@ -72,7 +72,7 @@ def cpu_host(monkeypatch):
 
 @pytest.fixture
 def format_warnings():
-    with captured_logs("vllm_diffusion_plugin.lora.formats", logging.WARNING) as logs:
+    with captured_logs("vllm_diffusion_plugin.engine.lora.normal", logging.WARNING) as logs:
         yield logs.records
 
 
@@ -206,11 +206,11 @@ def test_wan_rename_table_agrees_with_diffusers_checkpoint_converter(i2v):
     names = [n for n, _ in WanTransformer3DModel(**config).named_parameters()]
     for name in names:
         owner, _, leaf = name.rpartition(".")
-        original = formats.diffusers_to_wan_name(name) if leaf == "scale_shift_table" else (
-            f"{formats.diffusers_to_wan_name(owner)}.{leaf}" if owner else name)
+        original = wan.diffusers_to_wan_name(name) if leaf == "scale_shift_table" else (
+            f"{wan.diffusers_to_wan_name(owner)}.{leaf}" if owner else name)
         converted = convert_wan_transformer_to_diffusers({f"model.diffusion_model.{original}": None})
         assert list(converted) == [name], (name, original)
-        assert formats.wan_to_diffusers_name(original.rpartition(".")[0] if owner and leaf != "scale_shift_table"
+        assert wan.wan_to_diffusers_name(original.rpartition(".")[0] if owner and leaf != "scale_shift_table"
                                              else original) == (owner if leaf != "scale_shift_table" else name)
 
 

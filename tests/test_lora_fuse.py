@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora import (
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora import (
     LoraDelta,
     LoraFusionError,
     NonFiniteFusionError,
@@ -23,7 +23,7 @@ from vllm_diffusion_plugin.lora import (
     fuse_lora,
     unfuse_lora,
 )
-from vllm_diffusion_plugin.lora import fuse as fuse_mod
+from vllm_diffusion_plugin.engine.lora import fuse as fuse_mod
 from vllm_diffusion_plugin.testing.logs import captured_logs
 
 
@@ -90,7 +90,7 @@ def no_accelerator(monkeypatch):
 @pytest.fixture
 def fuse_warnings():
     """Records fuse.py's warnings; vLLM's logger tree does not propagate to the root (so no caplog)."""
-    with captured_logs("vllm_diffusion_plugin.lora.fuse", logging.WARNING) as logs:
+    with captured_logs("vllm_diffusion_plugin.engine.lora.fuse", logging.WARNING) as logs:
         yield logs.records
 
 
@@ -410,7 +410,7 @@ def test_non_finite_in_a_later_chunk_on_the_device_is_partially_fused(fake_accel
 def test_fuse_lora_files_second_file_failing_after_the_first_was_fused(no_accelerator, tmp_path):
     from safetensors.torch import save_file
 
-    from vllm_diffusion_plugin.lora import fuse_lora_files
+    from vllm_diffusion_plugin.engine.lora import fuse_lora_files
 
     model = nn.Sequential(nn.Linear(8, 8, bias=False)).half()
     with torch.no_grad():

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora import fuse_lora_files
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora import fuse_lora_files
 
 WAN_CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                   text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_diffusion_plugin import platform
+from vllm_diffusion_plugin.engine import platform
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ DISCOVER = """
     cls = _LOAD_FORMAT_TO_MODEL_LOADER.get("diffusion-hsdp")
     print(json.dumps({"loader": cls and f"{cls.__module__}.{cls.__qualname__}"}))
 """
-OURS = "vllm_diffusion_plugin.vllm_loader.DiffusionHSDPLoader"
+OURS = "vllm_diffusion_plugin.doors.vllm_loader.DiffusionHSDPLoader"
 
 
 @pytest.mark.parametrize("plugins, expected", [
@@ -93,7 +93,7 @@ def get_loader(**extra):
 
 
 def test_enabled_get_model_loader_returns_ours(fresh_registry, monkeypatch):
-    from vllm_diffusion_plugin.vllm_loader import DiffusionHSDPLoader
+    from vllm_diffusion_plugin.doors.vllm_loader import DiffusionHSDPLoader
 
     monkeypatch.setenv("VLLM_DIFFUSION_PLUGIN", "1")
     vllm_diffusion_plugin.register()

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.model_loader.reload import layerwise
 
 from vllm_diffusion_plugin import compat
-from vllm_diffusion_plugin.postprocess import PROCESSED_ATTR, has_online_quant, process_weights_after_loading
+from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR, has_online_quant, process_weights_after_loading
 from vllm_diffusion_plugin.testing.online_quant import TorchFp8OnlineMethod
 
 FP8 = torch.float8_e4m3fn

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_diffusion_plugin.checkpoint import CheckpointError, resolve_checkpoint, resolve_component
-from vllm_diffusion_plugin.skeleton import build_component, save_component
-from vllm_diffusion_plugin.weights import iterate_weights, load_into_module
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.skeleton import build_component, save_component
+from vllm_diffusion_plugin.engine.weights import iterate_weights, load_into_module
 
 CLASSES = {"wan": "WanTransformer3DModel", "flux": "FluxTransformer2DModel"}
 

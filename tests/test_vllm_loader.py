@@ -15,27 +15,15 @@ import pytest
 import torch
 
 SCENARIOS = Path(__file__).parent / "vllm_scenarios" / "get_model_scenarios.py"
-HIDDEN, HEAD_DIM = 128, 64
 
 
 def write_tiny_llama(root: Path) -> dict[str, Path]:
     """A tiny Llama (transformers), a peft LoRA for it, and the peft-merged checkpoint."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm_diffusion_plugin.testing.tiny_models import add_tiny_llama_lora, build_tiny_llama
 
-    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM,
-                         max_position_embeddings=128, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    base = LlamaForCausalLM(config)
+    base = build_tiny_llama(vocab_size=256, max_position_embeddings=128)
     base.save_pretrained(root / "base", safe_serialization=True)
-    lora_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                  "gate_proj", "up_proj", "down_proj"])
-    peft_model = get_peft_model(base, lora_config)
-    with torch.no_grad():  # peft initializes B to zero: make the LoRA change the model
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn_like(p) * 0.05)
+    peft_model = add_tiny_llama_lora(base, seed=1, b_std=0.05)
     peft_model.save_pretrained(root / "lora")
     peft_model.merge_and_unload().save_pretrained(root / "merged", safe_serialization=True)
     return {"base": root / "base", "lora": root / "lora", "merged": root / "merged"}

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vllm_diffusion_plugin.checkpoint import CheckpointError, resolve_checkpoint, resolve_component
-from vllm_diffusion_plugin.weights import (
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.weights import (
     LoadStats,
     WeightLoadError,
     iterate_weights,
@@ -254,7 +254,7 @@ def test_strict_check_exemptions_follow_vllm():
 
 
 def test_progress_bar_only_on_rank_zero_terminals(tiny_flux_dir, monkeypatch):
-    from vllm_diffusion_plugin import weights
+    from vllm_diffusion_plugin.engine import weights
 
     [source] = resolve_checkpoint(tiny_flux_dir)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)

@@ -3,6 +3,11 @@
 vLLM calls ``register()`` (entry point group ``vllm.general_plugins``) in every process. It does nothing
 unless ``VLLM_DIFFUSION_PLUGIN`` enables the plugin; importing this package is cheap (no torch, no vLLM,
 no diffusers) so a disabled plugin costs nothing.
+
+Layout: ``engine/`` turns a checkpoint into loaded modules (see ``engine/__init__.py`` and
+``docs/architecture.md``); ``doors/`` are the ways in (CLI, vLLM loader, vllm-omni patches). The main public
+API is re-exported here lazily (``from vllm_diffusion_plugin import load_components`` imports the engine on
+first use).
 """
 
 from __future__ import annotations
@@ -13,6 +18,28 @@ LOAD_FORMAT = "diffusion-hsdp"
 """The load format name (lowercase: vLLM lowercases ``LoadConfig.load_format``)."""
 
 _registered = False
+
+_PUBLIC = {  # name -> module that owns it; imported on first attribute access
+    "LoadOptions": "vllm_diffusion_plugin.engine.config",
+    "HSDPConfig": "vllm_diffusion_plugin.engine.hsdp",
+    "LoraSpec": "vllm_diffusion_plugin.engine.pipeline",
+    "load_components": "vllm_diffusion_plugin.engine.pipeline",
+    "save_components": "vllm_diffusion_plugin.engine.pipeline",
+    "fuse_lora_files": "vllm_diffusion_plugin.engine.lora",
+    "process_weights_after_loading": "vllm_diffusion_plugin.engine.postprocess",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
 
 
 def register() -> None:
@@ -33,10 +60,10 @@ def register() -> None:
 
     envs.validate_all()  # fail fast on any other malformed VLLM_DIFFUSION_* value
     compat.register_env_vars(list(envs.ENV_VARS))
-    from vllm_diffusion_plugin.vllm_loader import DiffusionHSDPLoader
+    from vllm_diffusion_plugin.doors.vllm_loader import DiffusionHSDPLoader
 
     compat.register_model_loader(LOAD_FORMAT)(DiffusionHSDPLoader)
-    from vllm_diffusion_plugin.omni import apply_patches
+    from vllm_diffusion_plugin.doors.omni import apply_patches
 
     apply_patches()  # vllm-omni: patched when its loader modules are imported; a no-op without it
 

@@ -76,10 +76,10 @@ def build_checkpoints(out: Path, *, seed: int = 0, lora_b_std: float = 0.1) -> d
     ignored) of the base, the peft-wrapped (LoRA applied on the fly) and the merged model, plus the smallest
     top-1/top-2 logit margin met on the merged model's greedy path (how close a tie came).
     """
-    import torch
-    from peft import LoraConfig, get_peft_model
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
+
+    from vllm_diffusion_plugin.testing.tiny_models import LLAMA_LORA_TARGETS, add_tiny_llama_lora, build_tiny_llama
 
     out.mkdir(parents=True, exist_ok=True)
     dirs = {name: out / name for name in ("base", "lora", "merged")}
@@ -93,15 +93,10 @@ def build_checkpoints(out: Path, *, seed: int = 0, lora_b_std: float = 0.1) -> d
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>",
                                         eos_token="</s>", model_max_length=512)
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=0.1,
+    model = build_tiny_llama(
+        seed=seed, vocab_size=len(tokenizer), max_position_embeddings=512, initializer_range=0.1,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+        pad_token_id=tokenizer.eos_token_id)
     model.save_pretrained(dirs["base"], max_shard_size="500KB")
     tokenizer.save_pretrained(dirs["base"])
 
@@ -109,19 +104,10 @@ def build_checkpoints(out: Path, *, seed: int = 0, lora_b_std: float = 0.1) -> d
     reference: dict = {"prompt_token_ids": prompt_ids, "vocab_size": len(tokenizer)}
     reference["base"], _ = _greedy(model, prompt_ids)
 
-    lora_config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    peft_model = get_peft_model(model, lora_config)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # peft starts B at zero: give the LoRA a visible effect
-        n_b = 0
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * lora_b_std)
-                n_b += 1
-    if n_b != 2 * 7:
+    peft_model = add_tiny_llama_lora(model, seed=seed + 1, b_std=lora_b_std)
+    n_b = sum("lora_B" in name for name, _ in peft_model.named_parameters())
+    if n_b != 2 * len(LLAMA_LORA_TARGETS):
         raise E2ESetupError(f"expected 14 lora_B tensors (2 layers x 7 modules), peft made {n_b}")
-    peft_model.eval()
     peft_model.save_pretrained(dirs["lora"])
     reference["peft_unmerged"], _ = _greedy(peft_model, prompt_ids)
 

@@ -26,7 +26,7 @@ from omni_support import import_omni
 @pytest.fixture(scope="session")
 def omni() -> types.SimpleNamespace:
     """Our patches applied (through the real post-import hook) and vllm-omni's patched modules."""
-    from vllm_diffusion_plugin.omni import apply_patches, patch_status
+    from vllm_diffusion_plugin.doors.omni import apply_patches, patch_status
 
     vllm_omni = import_omni()
     apply_patches()

@@ -24,8 +24,8 @@ import torch
 from omni_support import RecordedLinear, captured_logs, import_omni, omni_loader
 from torch import nn
 
-from vllm_diffusion_plugin.omni import _patching, patch_load_format, patch_lora_device, patch_postprocess
-from vllm_diffusion_plugin.postprocess import PROCESSED_ATTR
+from vllm_diffusion_plugin.doors.omni import _patching, patch_load_format, patch_lora_device, patch_postprocess
+from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
 from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
 from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS, build_tiny_model, write_tiny_lora
 
@@ -39,7 +39,7 @@ def test_patches_wait_for_vllm_omni_imports_and_nothing_without_it():
     script = textwrap.dedent("""
         import importlib.util, sys
         from omni_support import _bridge_vllm_names
-        from vllm_diffusion_plugin.omni import _patching, apply_patches, patch_status
+        from vllm_diffusion_plugin.doors.omni import _patching, apply_patches, patch_status
         _bridge_vllm_names()  # imports vllm, not vllm_omni
         real_find_spec = importlib.util.find_spec
         importlib.util.find_spec = lambda name, *a: None if name == "vllm_omni" else real_find_spec(name, *a)
@@ -124,7 +124,7 @@ def test_unrecognized_vllm_omni_shapes_warn_once_naming_the_version_and_are_skip
     lora_028 = shaped_module(patch_lora_device.TARGET, _prepare_lora_delta=prepare_028)
     loader_022 = shaped_module(patch_load_format.TARGET, DiffusersPipelineLoader=Loader022)
     crashing = types.SimpleNamespace(NAME="crashing", apply=lambda module: 1 / 0)
-    with captured_logs("vllm_diffusion_plugin.omni._patching") as logs:
+    with captured_logs("vllm_diffusion_plugin.doors.omni._patching") as logs:
         assert _patching.run_unit(patch_lora_device, lora_028).startswith("skipped: ")
         assert _patching.run_unit(patch_load_format, loader_022).startswith("skipped: ")
         assert _patching.run_unit(crashing, lora_028) == "failed: ZeroDivisionError: division by zero"
@@ -180,7 +180,7 @@ def test_other_load_formats_reach_vllm_omni_untouched(omni, tiny_wan_dir):
 def test_hsdp_sizes_from_extra_config_or_from_vllm_omni(omni):
     from vllm_omni.diffusion.data import DiffusionParallelConfig
 
-    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.engine.config import LoadOptions
 
     plain = DiffusionParallelConfig()
     enabled = patch_load_format.hsdp_parallel_config(

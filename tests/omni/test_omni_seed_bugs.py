@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 from vllm.model_executor.model_loader.reload import layerwise
 
-from vllm_diffusion_plugin.postprocess import PROCESSED_ATTR
+from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
 from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
 from vllm_diffusion_plugin.testing.online_quant import FP8, TorchFp8OnlineMethod
 from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
@@ -121,7 +121,7 @@ def test_lora_cpu_weights_use_the_accelerator_only_when_patched(omni, fake_accel
 
 def test_lora_failed_probe_stays_on_cpu(omni, fake_accelerator, tmp_path):
     module, state_dict, expected = lora_case(tmp_path)
-    with fake_accelerator.fail_probe(), captured_logs("vllm_diffusion_plugin.omni.patch_lora_device") as logs:
+    with fake_accelerator.fail_probe(), captured_logs("vllm_diffusion_plugin.doors.omni.patch_lora_device") as logs:
         omni.lora_mod.LoraLoaderMixin.load_lora_into_module(state_dict, module, prefix="transformer")
     assert fake_accelerator.h2d_copies == 0 and fake_accelerator.op_counts["aten::mm"] == 0
     assert logs.messages() == []  # the device was never tried (not tried, failed and caught)
@@ -137,7 +137,7 @@ def test_lora_h2d_failure_falls_back_to_cpu_vllm_omni_own_raises(omni, fake_acce
             mixin.load_lora_into_module(state_dict, module, prefix="transformer")
 
     module, state_dict, expected = lora_case(tmp_path)
-    with fake_accelerator.fail_h2d_after(0), captured_logs("vllm_diffusion_plugin.omni.patch_lora_device") as logs:
+    with fake_accelerator.fail_h2d_after(0), captured_logs("vllm_diffusion_plugin.doors.omni.patch_lora_device") as logs:
         mixin.load_lora_into_module(state_dict, module, prefix="transformer")
     assert_fused(module, expected)
     warnings = logs.messages()

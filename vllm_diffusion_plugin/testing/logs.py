@@ -28,7 +28,7 @@ class RecordList(logging.Handler):
 
 @contextmanager
 def captured_logs(module_name: str, level: int = logging.DEBUG) -> Iterator[RecordList]:
-    """Records at ``level`` and above from the logger of ``module_name`` (e.g. ``"vllm_diffusion_plugin.lora.fuse"``).
+    """Records at ``level`` and above from the logger of ``module_name`` (e.g. ``"vllm_diffusion_plugin.engine.lora.fuse"``).
 
     The logger's level is lowered to ``level`` for the duration when it would filter them out (``setLevel``,
     which also clears logging's ``isEnabledFor`` cache), and restored afterwards.

@@ -14,7 +14,7 @@ import pytest
 if TYPE_CHECKING:
     from vllm_diffusion_plugin.testing.fake_accelerator import FakeAccelerator
 
-_PLATFORM_MODULE = "vllm_diffusion_plugin.platform"
+_PLATFORM_MODULE = "vllm_diffusion_plugin.engine.platform"
 
 
 def _clear_usable_device_cache() -> None:

@@ -1,4 +1,5 @@
-"""Tiny diffusers checkpoints written by diffusers itself, and LoRA files for them (no hub access).
+"""Tiny diffusers checkpoints written by diffusers itself, and LoRA files for them (no hub access); and the
+tiny transformers Llama with its peft LoRA that the vLLM-loader tests and the serving e2e proof use.
 
 Used by ``vllm-diffusion demo`` and by the tests. Every parameter is drawn from a seeded normal
 distribution (none left at the default init's 0/1), so a weight a loader forgets is visible in a comparison.
@@ -87,3 +88,36 @@ def write_tiny_lora(path: Path, model: torch.nn.Module, *, rank: int = 4, alpha:
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
     return path
+
+
+TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
+"""The tiny ``LlamaConfig`` (GQA 2q/1kv heads, head_dim 64: shapes vLLM's kernels accept); callers add vocab
+size, positions and special tokens."""
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_llama(*, seed: int = 0, **config) -> torch.nn.Module:
+    """A tiny transformers ``LlamaForCausalLM`` (``TINY_LLAMA`` updated by ``config``), float32, eval mode,
+    initialized by transformers after ``torch.manual_seed(seed)``. Needs transformers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | config))).to(torch.float32).eval()
+
+
+def add_tiny_llama_lora(model: torch.nn.Module, *, seed: int, b_std: float) -> torch.nn.Module:
+    """``model`` wrapped by peft with a rank-8 LoRA (``lora_alpha`` 16) on every ``LLAMA_LORA_TARGETS``
+    projection, in eval mode. peft starts ``lora_B`` at zero (no effect); here B is drawn from a normal of
+    std ``b_std`` seeded with ``seed``. Save it with ``save_pretrained``; ``merge_and_unload()`` gives the
+    merged reference. Needs peft."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LLAMA_LORA_TARGETS))
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * b_std)
+    return peft_model.eval()

@@ -22,9 +22,9 @@ from vllm.config.load import LoadConfig
 
 from vllm_diffusion_plugin import compat
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import ComponentSource, PickleRefusedError, resolve_checkpoint
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.pipeline import LoraSpec
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, PickleRefusedError, resolve_checkpoint
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.pipeline import LoraSpec
 
 logger = init_logger(__name__)
 
@@ -36,7 +36,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         super().__init__(load_config)
         self.options = LoadOptions.from_extra_config(load_config.model_loader_extra_config)
         if self.options.hsdp_weight_load != "full":
-            from vllm_diffusion_plugin.distributed_load import StrategyError
+            from vllm_diffusion_plugin.engine.strategies import StrategyError
 
             raise StrategyError(f"hsdp_weight_load={self.options.hsdp_weight_load!r} is not available in the vLLM "
                                 f"loader (vLLM builds and loads its model on every rank); use 'full', or "
@@ -57,7 +57,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Stream the checkpoint through ``model.load_weights`` (vLLM's stacked-parameter mapping applies),
         check every parameter was loaded, then fuse the configured LoRA files."""
-        from vllm_diffusion_plugin.weights import load_into_module
+        from vllm_diffusion_plugin.engine.weights import load_into_module
 
         source = self._source(model_config)
         result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected)
@@ -69,7 +69,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        from vllm_diffusion_plugin.postprocess import process_weights_after_loading
+        from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
 
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         target_device = torch.device(load_device)
@@ -97,7 +97,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         return sources[0]
 
     def _fuse_loras(self, model: nn.Module) -> None:
-        from vllm_diffusion_plugin.lora import fuse_lora_files
+        from vllm_diffusion_plugin.engine.lora import fuse_lora_files
 
         _check_lora_fusable(model)
         stats = fuse_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
@@ -108,7 +108,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                     stats.fallbacks)
 
     def _maybe_shard(self, model: nn.Module, target_device: torch.device) -> None:
-        from vllm_diffusion_plugin.hsdp import HSDPConfig, apply_hsdp, build_mesh
+        from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
 
         declared = getattr(model, "_hsdp_shard_conditions", None)
         if not declared and not self.options.hsdp_block_pattern:

@@ -39,7 +39,7 @@ class LoadOptions:
     hsdp_weight_load: str = "full"
     """How the ranks get their weights: ``full`` (each reads everything, then shards), ``broadcast`` (rank 0
     reads once and sends bounded buckets; the others read nothing) or ``rank_local`` (the DiTs are sharded on
-    ``meta`` first and each rank reads only its own rows). See ``distributed_load``."""
+    ``meta`` first and each rank reads only its own rows). See ``engine.strategies``."""
     hsdp_broadcast_bucket_mb: int = 256
     """Upper bound (MiB) on one broadcast bucket (``broadcast``); tensors are sent in single-dtype buckets."""
     hsdp_broadcast_timeout_s: float = 300.0
@@ -81,8 +81,8 @@ class LoadOptions:
             raise ValueError(f"hsdp_replicate_size must be positive, got {self.hsdp_replicate_size}")
         if self.hsdp_shard_size == 0 or self.hsdp_shard_size < -1:
             raise ValueError(f"hsdp_shard_size must be positive or -1, got {self.hsdp_shard_size}")
-        if self.hsdp_weight_load not in _WEIGHT_LOADS:
-            raise ValueError(f"hsdp_weight_load must be one of {', '.join(_WEIGHT_LOADS)}, "
+        if self.hsdp_weight_load not in WEIGHT_LOAD_STRATEGIES:
+            raise ValueError(f"hsdp_weight_load must be one of {', '.join(WEIGHT_LOAD_STRATEGIES)}, "
                              f"got {self.hsdp_weight_load!r}")
         if self.hsdp_broadcast_bucket_mb <= 0:
             raise ValueError(f"hsdp_broadcast_bucket_mb must be positive, got {self.hsdp_broadcast_bucket_mb}")
@@ -90,7 +90,8 @@ class LoadOptions:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
 
-_WEIGHT_LOADS = ("full", "broadcast", "rank_local")  # distributed_load.STRATEGIES (not imported: light module)
+WEIGHT_LOAD_STRATEGIES = ("full", "broadcast", "rank_local")
+"""Values of ``hsdp_weight_load`` (``strategies.STRATEGIES``; kept here so this module stays light)."""
 
 _VLLM_OWNED_KEYS = ("is_draft",)
 """Keys vLLM itself adds to a loader's extra config; accepted and passed through untouched."""

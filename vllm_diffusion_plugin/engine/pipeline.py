@@ -6,14 +6,15 @@
 
 FSDP2 fixes the order: LoRA fusion and post-load processing run on plain tensors before ``fully_shard``,
 except with ``hsdp_weight_load=rank_local``, where the DiT is sharded on ``meta`` first, each rank reads its own
-rows and fuses LoRA into them (``distributed_load``). ``broadcast`` replaces "stream weights" by rank 0
-streaming and sending (``weight_broadcast``). Everything that can be validated (checkpoint layout, LoRA
-assignment, HSDP sizes, strategy, and every LoRA file's format, keys, ranks and shapes against the DiT's meta
-skeleton) is validated before the first weight is read.
+rows and fuses LoRA into them (``strategies.rank_local``). ``broadcast`` replaces "stream weights" by rank 0
+streaming and sending (``strategies.broadcast``). The read step calls the chosen strategy from
+``strategies.LOADERS`` the same way for all three. Everything that can be validated (checkpoint layout, LoRA
+assignment, HSDP sizes, strategy) is validated before the first weight is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vllm_diffusion_plugin import platform
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.hsdp import HSDPConfig
-from vllm_diffusion_plugin.report import ComponentReport, LoadReport
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport
 
 logger = init_logger(__name__)
 
@@ -100,8 +101,8 @@ def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict
 def prepare_loras(source: ComponentSource, specs: Sequence[LoraSpec], *, dtype: torch.dtype, strict: bool) -> list:
     """The LoRA files of one DiT read and checked (keys, ranks, shapes) against its skeleton built on ``meta``
     from its config, before any of its weights is read; ``lora.PreparedLora`` per file, in fusion order."""
-    from vllm_diffusion_plugin.lora import prepare_lora_files
-    from vllm_diffusion_plugin.skeleton import build_component
+    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.skeleton import build_component
 
     skeleton = build_component(source, dtype=dtype, device="meta")
     return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict)
@@ -160,12 +161,13 @@ def load_components(
 
     Transformers get the LoRA files and, when ``hsdp`` is given, FSDP2 sharding over a
     ``(replicate, shard)`` mesh of the current world; other components are loaded and placed on ``device``.
-    ``options.hsdp_weight_load`` picks how the ranks get the weights (``distributed_load``); every rank of
+    ``options.hsdp_weight_load`` picks how the ranks get the weights (``strategies``); every rank of
     the world must call this with the same arguments. ``progress``: progress bars on rank 0 when stderr is a
     terminal -- True for every step, None only for reads over 1 GiB, False never.
     """
-    from vllm_diffusion_plugin.distributed_load import check_strategy
-    from vllm_diffusion_plugin.hsdp import build_mesh
+    from vllm_diffusion_plugin.engine.hsdp import build_mesh
+    from vllm_diffusion_plugin.engine.strategies import LoadContext, check_strategy
+    from vllm_diffusion_plugin.engine.strategies.broadcast import open_channel
 
     world = World.current()
     report = LoadReport(rank=world.rank, world_size=world.world_size, device=str(device),
@@ -178,22 +180,24 @@ def load_components(
         with report.phase("resolve"):
             sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
         transformers = [s.name for s in sources if is_transformer(s)]
-        assigned = assign_loras(lora_specs, transformers) if lora_specs else {}
+        loras = assign_loras(lora_specs, transformers) if lora_specs else {}
         report.strategy = check_strategy(options.hsdp_weight_load, sources=sources, world_size=world.world_size,
                                          sharded=hsdp is not None)
         with report.phase("lora"):  # LoRA files checked against meta skeletons: errors before any base read
-            loras = {s.name: prepare_loras(s, assigned[s.name], dtype=dtype, strict=options.lora_strict)
-                     for s in sources if assigned.get(s.name)}
+            for source in sources:
+                if loras.get(source.name):
+                    prepare_loras(source, loras[source.name], dtype=dtype, strict=options.lora_strict)
         mesh = build_mesh(hsdp, device_type=device.type) if hsdp is not None else None
-        step = _LoadStep(options=options, device=device, dtype=dtype, hsdp=hsdp, mesh=mesh, report=report,
-                         progress=progress if world.rank == 0 else False)
-        loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
+        context = LoadContext(options=options, device=device, dtype=dtype, report=report, hsdp=hsdp, mesh=mesh,
+                              progress=progress if world.rank == 0 else False)
         if report.strategy == "broadcast":
-            step.open_channel()
+            context = dataclasses.replace(context, channel=open_channel(options, device))
+        step = _LoadStep(context)
+        loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
         for source in sources:
+            files = [(str(s.path), s.scale) for s in loras.get(source.name, [])]
             loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
-                                                    loras=loras.get(source.name, []),
-                                                    shard_reports=loaded.shard_reports)
+                                                    lora_files=files, shard_reports=loaded.shard_reports)
         step.close()  # not after a failure: a group with a dead or stalled peer may block in its teardown
     report.finish()
     return loaded
@@ -203,46 +207,28 @@ def load_components(
 class _LoadStep:
     """One component through the named steps: read (by strategy) -> fuse LoRA -> postprocess -> shard/place."""
 
-    options: LoadOptions
-    device: torch.device
-    dtype: torch.dtype
-    hsdp: HSDPConfig | None
-    mesh: object
-    report: LoadReport
-    progress: bool | None
-    channel: object = None
-
-    def open_channel(self) -> None:
-        from vllm_diffusion_plugin.weight_broadcast import BroadcastChannel
-
-        self.channel = BroadcastChannel(timeout_s=self.options.hsdp_broadcast_timeout_s,
-                                        bucket_bytes=self.options.hsdp_broadcast_bucket_mb << 20, device=self.device)
+    context: LoadContext
 
     def close(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        if self.context.channel is not None:
+            self.context.channel.close()
+            self.context = dataclasses.replace(self.context, channel=None)
 
-    def load(self, source: ComponentSource, *, is_dit: bool, loras: list, shard_reports: dict[str, object]) -> nn.Module:
-        from vllm_diffusion_plugin.distributed_load import load_rank_local
-        from vllm_diffusion_plugin.hsdp import apply_hsdp
-        from vllm_diffusion_plugin.postprocess import process_weights_after_loading
-        from vllm_diffusion_plugin.weight_broadcast import load_broadcast
+    def load(self, source: ComponentSource, *, is_dit: bool, lora_files: list[tuple[str, float]],
+             shard_reports: dict[str, object]) -> nn.Module:
+        from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
+        from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
+        from vllm_diffusion_plugin.engine.strategies import LOADERS
 
-        report, strategy = self.report, self.report.strategy
+        context = self.context
+        report, strategy, mesh = context.report, context.report.strategy, context.mesh
         entry = ComponentReport(name=source.name, class_name=str(source.config.get("_class_name", "?")),
                                 files=len(source.files))
         report.components.append(entry)
-        sharded = is_dit and self.mesh is not None
+        sharded = is_dit and mesh is not None
         # ---- read: every rank everything / rank 0 then broadcast / each rank its own rows (already sharded)
-        if strategy == "rank_local" and sharded:
-            out = load_rank_local(source, mesh=self.mesh, hsdp=self.hsdp, device=self.device, dtype=self.dtype,
-                                  options=self.options, loras=loras, report=report, progress=self.progress)
-        elif strategy == "broadcast":
-            out = load_broadcast(source, channel=self.channel, dtype=self.dtype, options=self.options,
-                                 loras=loras, report=report, progress=self.progress)
-        else:
-            out = self._load_full(source, loras)
+        load = LOADERS["full" if strategy == "rank_local" and not sharded else strategy]
+        out = load(source, context=context, lora_files=lora_files)
         module = out.module.requires_grad_(False)  # inference: FSDP2 then accepts mixed fp32/bf16 params
         entry.bytes_read, entry.tensors = out.bytes_read, out.tensors
         entry.param_bytes_total = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -252,51 +238,32 @@ class _LoadStep:
             entry.lora_fallbacks = out.lora.fallbacks
         # ---- online-quant finalize + post-load processing (HSDP-aware: also safe after rank_local sharding)
         with report.phase("postprocess"):
-            process_weights_after_loading(module, target_device=self.device)
+            process_weights_after_loading(module, target_device=context.device)
         # ---- shard the DiTs; place everything else
         with report.phase("shard"):
             shard = out.shard
             if sharded and shard is None:
-                shard = apply_hsdp(module, mesh=self.mesh, config=self.hsdp, pattern=self.options.hsdp_block_pattern)
+                shard = apply_hsdp(module, mesh=mesh, config=context.hsdp, pattern=context.options.hsdp_block_pattern)
             if shard is not None:
                 shard_reports[source.name] = shard
                 entry.param_bytes_local = shard.local_bytes
                 entry.sharded_blocks, entry.shard_rule = len(shard.blocks), shard.source
             else:
-                module.to(self.device)
+                module.to(context.device)
                 entry.param_bytes_local = entry.param_bytes_total
         logger.info("Loaded %s (%s) from %s with %s: %d tensors, %.3f GB read, LoRA targets fused %d, on %s%s",
                     source.name, entry.class_name, source.folder, strategy, entry.tensors, entry.bytes_read / 1e9,
-                    entry.lora_keys_fused, self.device,
+                    entry.lora_keys_fused, context.device,
                     f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
         return module
-
-    def _load_full(self, source: ComponentSource, loras: list):
-        """Build the skeleton on the host, stream every weight into it, fuse LoRA on plain host tensors."""
-        from vllm_diffusion_plugin.distributed_load import ComponentLoad
-        from vllm_diffusion_plugin.lora import fuse_prepared
-        from vllm_diffusion_plugin.skeleton import build_component
-        from vllm_diffusion_plugin.weights import load_into_module
-
-        with self.report.phase("build"):
-            module = build_component(source, dtype=self.dtype, device="cpu")
-        with self.report.phase("read"):
-            result = load_into_module(module, source=source, strict_unexpected=self.options.strict_unexpected,
-                                      progress=self.progress)
-        stats = None
-        if loras:  # the accelerator computes when it is usable (lora.fuse's device rule)
-            with self.report.phase("lora"):
-                stats = fuse_prepared(module, loras, chunk_mb=self.options.lora_device_chunk_mb,
-                                      progress=self.progress, name=source.name)
-        return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)
 
 
 def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None) -> list[Path]:
     """Write every loaded component as a diffusers folder ``out_dir/<name>`` holding its final (fused,
     gathered) weights; sharded modules are gathered collectively and written by rank 0 (other ranks may pass
     None)."""
-    from vllm_diffusion_plugin.hsdp import gather_full_state_dict
-    from vllm_diffusion_plugin.skeleton import save_component
+    from vllm_diffusion_plugin.engine.hsdp import gather_full_state_dict
+    from vllm_diffusion_plugin.engine.skeleton import save_component
 
     rank = World.current().rank
     if rank == 0 and out_dir is None:

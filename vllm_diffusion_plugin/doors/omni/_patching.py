@@ -135,7 +135,7 @@ def run_unit(unit: ModuleType, module: ModuleType) -> str:
 
 
 def install(unit_names: Iterable[str]) -> None:
-    """Run each unit (module ``vllm_diffusion_plugin.omni.<name>``) once its target is imported.
+    """Run each unit (module ``vllm_diffusion_plugin.doors.omni.<name>``) once its target is imported.
     Idempotent: a unit already pending or run is not registered again."""
     global _finder
     units = [importlib.import_module(f"{__package__}.{name}") for name in unit_names]

@@ -1,18 +1,10 @@
-"""How the ranks of an HSDP job get their weights: the ``hsdp_weight_load`` strategies.
+"""The ``rank_local`` weight-load strategy, for the DiTs of a sharded load: each rank reads only its own rows.
 
-- ``full`` -- every rank reads the whole checkpoint into a full host copy, fuses LoRA, then shards (the
-  pipeline's own steps; simple, but S ranks read S copies and each holds a full model before sharding);
-- ``broadcast`` -- rank 0 reads (and fuses LoRA) once; the others receive the tensors in bounded buckets
-  and read 0 bytes (``weight_broadcast``);
-- ``rank_local`` -- for the DiTs: the skeleton is built on ``meta``, sharded with FSDP2 there, only the local
-  shards are allocated, and each rank reads its own rows of every tensor straight into FSDP's local storage
-  (a row range is one contiguous byte range -- what safetensors ``get_slice`` reads for a row slice -- read
-  with ``pread`` into the shard, ~1/S of the checkpoint per rank, nothing memory-mapped); LoRA deltas are
-  fused shard-locally, ``B[rows] @ A`` per rank, so no rank ever holds a full-size weight or delta. Other
-  components (VAE, encoders) load normally.
-
-``check_strategy`` rejects combinations a strategy cannot serve at configuration time, before any weight is
-read, naming a strategy that works; with one process every strategy is ``full``.
+The skeleton is built on ``meta``, sharded with FSDP2 there, only the local shards are allocated, and each rank
+reads its own rows of every tensor straight into FSDP's local storage (a row range is one contiguous byte
+range -- what safetensors ``get_slice`` reads for a row slice -- read with ``pread`` into the shard, ~1/S of the
+checkpoint per rank, nothing memory-mapped); LoRA deltas are fused shard-locally, ``B[rows] @ A`` per rank, so
+no rank ever holds a full-size weight or delta. Other components (VAE, encoders) load with ``full``.
 """
 
 from __future__ import annotations
@@ -22,87 +14,23 @@ import os
 import struct
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import CheckpointError, ComponentSource, is_transformer
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.report import LoadReport
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource
+from vllm_diffusion_plugin.engine.strategies.base import (
+    ComponentLoad,
+    DistributedLoadError,
+    LoadContext,
+    normalize_lora_files,
+)
 
 logger = init_logger(__name__)
 
-STRATEGIES = ("full", "broadcast", "rank_local")
-"""Values of ``hsdp_weight_load``."""
 
-
-class StrategyError(ValueError):
-    """A weight-load strategy that cannot serve this load; the message names one that can."""
-
-
-class DistributedLoadError(RuntimeError):
-    """A distributed load failed across ranks: a rank died, stalled, failed or disagreed; or a rank-local
-    read left tensors uncovered. The message names the rank, the component and the bucket or tensors."""
-
-
-@dataclass(frozen=True)
-class ComponentLoad:
-    """What loading one component on this rank produced."""
-
-    module: nn.Module
-    bytes_read: int
-    """Checkpoint bytes this rank read (counted in the reader)."""
-    tensors: int
-    """Checkpoint tensors that went into the module on this rank."""
-    lora: Any = None
-    """``lora.FuseStats`` when LoRA was fused on this rank, else None."""
-    shard: Any = None
-    """``hsdp.ShardReport`` when the strategy sharded the module itself (``rank_local``), else None."""
-
-
-def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_size: int, sharded: bool) -> str:
-    """The strategy to use for this load, or ``StrategyError`` naming one that works. Reads nothing.
-
-    ``sharded``: whether the DiTs are sharded with HSDP. The checks hold for any world size; with one
-    process the answer is ``full`` (there is nobody to send to and nothing to split).
-    """
-    from vllm_diffusion_plugin.skeleton import component_class
-
-    if strategy not in STRATEGIES:
-        raise StrategyError(f"hsdp_weight_load must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    if strategy == "full":
-        return strategy
-    concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s)]
-    for source in concerned:
-        cls = component_class(source)
-        if callable(getattr(cls, "load_weights", None)):
-            raise StrategyError(
-                f"hsdp_weight_load={strategy}: {cls.__name__} ({source.folder}) maps checkpoint tensors onto its "
-                f"parameters with its own load_weights (renamed/stacked tensors), which {strategy} cannot apply "
-                f"(it moves tensors by checkpoint key{' and row range' if strategy == 'rank_local' else ''}); "
-                f"use hsdp_weight_load=full")
-    if strategy == "rank_local":
-        pickled = [s for s in concerned if s.format != "safetensors"]
-        if pickled:
-            raise StrategyError(
-                f"hsdp_weight_load=rank_local reads row ranges of safetensors files, but {pickled[0].folder} "
-                f"holds pickle weights ({pickled[0].files[0].name}), which can only be read whole; use "
-                f"hsdp_weight_load=broadcast (rank 0 reads them once) or convert the checkpoint to safetensors")
-        if world_size > 1 and not sharded:
-            raise StrategyError(
-                f"hsdp_weight_load=rank_local reads each rank's rows of the HSDP shards, but this load of "
-                f"{world_size} ranks does not shard with HSDP; use hsdp_weight_load=broadcast (one read, sent "
-                f"to every rank)")
-    if world_size == 1:
-        logger.info("hsdp_weight_load=%s with a single process: loading with 'full'.", strategy)
-        return "full"
-    return strategy
-
-
-# ---- rank_local ------------------------------------------------------------------------------------------
 def local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``(local storage, first row, end row)`` of ``param`` on this rank: a DTensor's local shard and its
     global row range, or a plain tensor whole. Only ``Shard(0)``/``Replicate`` placements are supported."""
@@ -139,7 +67,7 @@ def _pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
         done += n
 
 
-def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None):
+def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
     """Read this rank's rows of every checkpoint tensor that has a target; returns (keys loaded, stats).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
@@ -147,26 +75,13 @@ def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], 
     a row-sized host buffer that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache is
     not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
     """
-    from vllm_diffusion_plugin.progress import progress_bar
-    from vllm_diffusion_plugin.weights import LoadStats
+    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.engine.weights import LoadStats
 
     stats, loaded = LoadStats(), set()
     if sys.byteorder != "little":
         raise CheckpointError(f"{source.folder}: rank_local reads little-endian safetensors bytes directly; this "
                               f"host is big-endian (use hsdp_weight_load=broadcast)")
-    bar = progress_bar(total=sum(1 for k in source.tensors if k in targets), unit="tensors", progress=progress,
-                       desc=f"Reading {source.name} (this rank's rows)", size=source.total_bytes)
-    try:
-        _read_rows_of_files(source, targets, stats, loaded, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    return loaded, stats
-
-
-def _read_rows_of_files(source: ComponentSource, targets: dict[str, torch.Tensor], stats, loaded: set, bar) -> None:
-    from vllm_diffusion_plugin.checkpoint import read_safetensors_header
-
     with torch.no_grad():
         for file in source.files:
             keys = [k for k in source.keys_in(file) if k in targets]
@@ -194,8 +109,7 @@ def _read_rows_of_files(source: ComponentSource, targets: dict[str, torch.Tensor
                             local.copy_(dst)
                         stats.add(file, (stop - start) * row_bytes)
                     loaded.add(key)
-                    if bar is not None:
-                        bar.update(1)
+    return loaded, stats
 
 
 class LocalShards(nn.Module):
@@ -216,7 +130,7 @@ class LocalShards(nn.Module):
 def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int):
     """Fuse LoRA deltas into this rank's rows of ``module``'s (sharded) weights: ``W[rows] += s * B[rows] @ A``
     (and the same rows of bias/full deltas), file after file. Returns the summed ``FuseStats`` or None."""
-    from vllm_diffusion_plugin.lora import LoraDelta, fuse_lora
+    from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 
     modules, params = dict(module.named_modules()), dict(module.named_parameters())
     total = None
@@ -253,31 +167,36 @@ def _materialize_local_shards(module: nn.Module, device: torch.device, buffers: 
             module.get_buffer(name).copy_(value)
 
 
-def load_rank_local(source: ComponentSource, *, mesh, hsdp, device: torch.device, dtype: torch.dtype,
-                    options: LoadOptions, loras: Sequence[Any], report: LoadReport,
-                    progress: bool | None = None) -> ComponentLoad:
-    """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA."""
+def load_rank_local(source: ComponentSource, *, context: LoadContext,
+                    lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
+    """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA.
+
+    Needs ``context.mesh`` and ``context.hsdp`` (the pipeline sends only sharded DiTs here)."""
     from torch.distributed.tensor import DTensor
 
-    from vllm_diffusion_plugin.hsdp import apply_hsdp
-    from vllm_diffusion_plugin.skeleton import _fp32_module_names, build_component, component_class, materialize
-    from vllm_diffusion_plugin.weights import WeightLoadError, _validate, strict_check_exemptions
+    from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.weights import WeightLoadError, strict_check_exemptions, validate_headers
 
+    options, report, device = context.options, context.report, context.device
     origin, cls_name = str(source.folder), str(source.config.get("_class_name", "?"))
     with report.phase("build"):
-        module = build_component(source, dtype=dtype, device="meta")
+        # parameters on meta in their final dtypes (diffusers' _keep_in_fp32_modules rule); real buffers
+        module = build_component(source, dtype=context.dtype, device="meta")
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
-        # diffusers' dtype rule (_keep_in_fp32_modules) on meta: parameters only; buffers are restored later
-        materialize(module, device="meta", dtype=dtype, keep_fp32=_fp32_module_names(component_class(source)))
-    files = [lora.deltas for lora in loras]  # lora.PreparedLora, validated before any read
+        module.to("meta")  # buffers too, so FSDP2 moves nothing; their values are restored after to_empty
+    with report.phase("lora"):
+        files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
     with report.phase("shard"):
-        shard = apply_hsdp(module, mesh=mesh, config=hsdp, pattern=options.hsdp_block_pattern, allow_meta=True)
+        shard = apply_hsdp(module, mesh=context.mesh, config=context.hsdp, pattern=options.hsdp_block_pattern,
+                           allow_meta=True)
         _materialize_local_shards(module, device, buffers)
     targets = module.state_dict(keep_vars=True)
     exempt = strict_check_exemptions(module)
-    _validate(module, targets, source.tensors, exempt, options.strict_unexpected, origin)  # headers only
+    validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
+                     origin=origin)  # headers only
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets, progress)
+        loaded, stats = _read_local_rows(source, targets)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "

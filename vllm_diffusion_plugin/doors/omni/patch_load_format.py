@@ -39,7 +39,7 @@ import functools
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.omni._patching import is_patched, mark, require_attr, require_params
+from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
 
 logger = init_logger(__name__)
 
@@ -87,7 +87,7 @@ def uses_diffusion_hsdp(loader: Any) -> bool:
 
 def omni_load_options(load_config: Any):
     """Our ``LoadOptions`` from the load config's extra config, refusing keys that mean nothing here."""
-    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.engine.config import LoadOptions
 
     raw = dict(getattr(load_config, "model_loader_extra_config", None) or {})
     options = LoadOptions.from_extra_config(raw)
@@ -158,7 +158,7 @@ def hsdp_parallel_config(parallel_config: Any, options: Any, *, world_size: int)
 
     Returns ``parallel_config`` itself when vllm-omni's own HSDP options are already on, else a copy made
     with ``dataclasses.replace`` (so vllm-omni's own validation runs on it)."""
-    from vllm_diffusion_plugin.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
 
     ours = HSDPConfig(replicate_size=options.hsdp_replicate_size, shard_size=options.hsdp_shard_size)
     given = (ours.replicate_size, ours.shard_size) != (HSDPConfig().replicate_size, HSDPConfig().shard_size)

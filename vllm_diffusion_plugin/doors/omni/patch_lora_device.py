@@ -8,7 +8,7 @@ it; that lookup knows only the platforms vllm-omni ships, and a failing H2D copy
 How. In ``vllm_omni.diffusion.lora.loader``, and in every loaded ``vllm_omni`` module that imported the
 names:
 
-- ``_resolve_lora_compute_device`` becomes ``vllm_diffusion_plugin.lora.fuse.resolve_compute_device``: the
+- ``_resolve_lora_compute_device`` becomes ``vllm_diffusion_plugin.engine.lora.fuse.resolve_compute_device``: the
   accelerator named by ``LOCAL_RANK`` (CUDA, NPU, XPU, a PrivateUse1 backend) only if a probe allocation on
   it succeeds (cached per process), else None. vllm-omni calls it once per ``load_lora_into_module`` /
   ``unload_module_lora`` call, outside the parameter loop.
@@ -33,7 +33,7 @@ import threading
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.omni._patching import (
+from vllm_diffusion_plugin.doors.omni._patching import (
     UnrecognizedShape,
     is_patched,
     mark,
@@ -76,7 +76,7 @@ def apply(module: Any) -> str:
 def _probe_based_resolver(original):
     def _resolve_lora_compute_device():
         """Our probe-based rule (``lora.fuse.resolve_compute_device``); starts a new load/unload call."""
-        from vllm_diffusion_plugin.lora.fuse import resolve_compute_device
+        from vllm_diffusion_plugin.engine.lora.fuse import resolve_compute_device
 
         _calls.warned = False
         device = resolve_compute_device()

@@ -1,19 +1,12 @@
 """LoRA files in every supported layout -> one normalized, validated form: a ``LoraDelta`` per target.
 
-Layouts (detected per key, mixed files allowed):
+Layouts (detected per key, mixed files allowed), one module per family:
 
-- diffusers / PEFT: ``[prefix.]<module>.lora_A.weight`` / ``lora_B.weight`` (prefix ``transformer.``,
-  ``base_model.model.``, ``diffusion_model.``, ... or none), optional ``<module>.alpha`` and
-  ``lora_B.bias`` (PEFT ``lora_bias``, scaled like ``B @ A``).
-- kohya: ``lora_unet_<module_with_underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``;
-  underscores are mapped back by matching the module's own names (ambiguity is an error). Kohya files in
-  original FLUX naming (``lora_unet_double_blocks_*``) go through diffusers' own converter (lazy import).
-- Wan / LightX2V: ``diffusion_model.*`` keys in original Wan naming (``blocks.N.self_attn.q``, ``ffn.0``,
-  ``head.head``, ...), with ``lora_down/lora_up`` or ``lora_A/lora_B``, ``.alpha``, ``.diff_b`` (bias
-  deltas) and ``.diff`` (full deltas), renamed to diffusers ``WanTransformer3DModel`` names. diffusers'
-  ``_convert_non_diffusers_wan_lora_to_diffusers`` is not used: it drops ``.diff`` keys and norm deltas.
-  The rename table below is checked against diffusers' ``convert_wan_transformer_to_diffusers`` in tests.
-- packed targets (``packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``): per-slice deltas are
+- diffusers / PEFT (``peft``): ``[prefix.]<module>.lora_A.weight`` / ``lora_B.weight``, ``.alpha``,
+  ``lora_B.bias``; files and adapter configs are read there (``load_lora``);
+- kohya (``kohya``): ``lora_unet_<module_with_underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``;
+- Wan / LightX2V (``wan``): ``diffusion_model.*`` keys in original Wan naming, ``.diff_b`` / ``.diff`` deltas;
+- packed targets (``packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``, here): per-slice deltas are
   stacked exactly: ``A = cat(A_i)`` along dim 0 and ``B`` block-diagonal, so ``B @ A = cat(B_i @ A_i)``.
 
 Scale convention: with an ``.alpha`` entry, ``scale = alpha / rank``; else the adapter config's
@@ -23,7 +16,6 @@ times the caller's ``scale``. ``.diff``/``.diff_b`` are multiplied by the caller
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
@@ -34,13 +26,13 @@ from pathlib import Path
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.lora.wan import uses_wan_naming, wan_to_diffusers_name
 
 logger = init_logger(__name__)
 
 __all__ = [
     "LoraDelta", "LoraFile", "LoraFormatError", "LoraRankError", "LoraShapeError", "NonFiniteLoraError",
-    "PartialPackedLoraError", "UnmatchedLoraKeysError", "UnsupportedLoraError",
-    "load_lora", "load_lora_state_dict", "normalize_lora", "wan_to_diffusers_name", "diffusers_to_wan_name",
+    "PartialPackedLoraError", "UnmatchedLoraKeysError", "UnsupportedLoraError", "normalize_lora",
 ]
 
 
@@ -102,75 +94,7 @@ class LoraFile:
     adapter_config: dict | None
 
 
-def load_lora(path: str | Path) -> LoraFile:
-    """Read a ``.safetensors`` LoRA file, or a folder holding one (PEFT ``adapter_model.safetensors`` with
-    ``adapter_config.json``, or diffusers' ``pytorch_lora_weights.safetensors``). The adapter config comes
-    from ``adapter_config.json`` or, failing that, diffusers' ``lora_adapter_metadata`` header entry."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"LoRA path {path} does not exist")
-    config_file = None
-    if path.is_dir():
-        config_file = path / "adapter_config.json"
-        candidates = sorted(path.glob("*.safetensors"))
-        known = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
-        preferred = [p for p in candidates if p.name in known]
-        if len(preferred) == 1 or len(candidates) == 1:
-            file = (preferred or candidates)[0]
-        else:
-            raise LoraFormatError(
-                f"LoRA folder {path} must hold adapter_model.safetensors, pytorch_lora_weights.safetensors or "
-                f"exactly one .safetensors file; found {[p.name for p in candidates] or 'none'} "
-                f"(.bin/.pt adapters are not read: convert them to safetensors)")
-    elif path.suffix != ".safetensors":
-        raise LoraFormatError(f"LoRA file {path} is not a .safetensors file (pickled adapters are not read)")
-    else:
-        file = path
-        if path.name == "adapter_model.safetensors":  # a PEFT folder's file, named directly
-            config_file = path.parent / "adapter_config.json"
-    from vllm_diffusion_plugin.checkpoint import CheckpointError, read_safetensors_header
-
-    try:
-        read_safetensors_header(file)  # a saved HTML page or a truncated download: one line naming the file
-        with safe_open(str(file), framework="pt") as f:
-            state_dict = {key: f.get_tensor(key) for key in f.keys()}
-            metadata = f.metadata() or {}
-    except CheckpointError as exc:
-        raise LoraFormatError(f"LoRA file {exc}") from exc
-    except Exception as exc:  # safetensors' own SafetensorError and I/O errors
-        raise LoraFormatError(f"LoRA file {file}: cannot read it as safetensors: {exc}") from exc
-    config = None
-    if config_file is not None and config_file.is_file():
-        config = json.loads(config_file.read_text())
-    elif "lora_adapter_metadata" in metadata:
-        config = _config_from_metadata(json.loads(metadata["lora_adapter_metadata"]), file)
-    logger.debug("Read %d LoRA tensors from %s (adapter config: %s)", len(state_dict), file, config is not None)
-    return LoraFile(file, state_dict, config)
-
-
-def _config_from_metadata(raw: dict, file: Path) -> dict | None:
-    """diffusers' ``save_lora_weights`` prefixes every config entry with its component (``transformer.r``)."""
-    if "r" in raw or "lora_alpha" in raw:
-        return raw
-    components: dict[str, dict] = defaultdict(dict)
-    for key, value in raw.items():
-        component, _, entry = key.partition(".")
-        components[component][entry] = value
-    if "transformer" in components or len(components) == 1:
-        return components.get("transformer") or next(iter(components.values()))
-    logger.warning("LoRA %s carries adapter configs for %s; none is used (alpha entries or scale 1.0 apply)",
-                   file, sorted(components))
-    return None
-
-
-def load_lora_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a LoRA file or folder (see ``load_lora``, which also returns the adapter config)."""
-    return load_lora(path).state_dict
-
-
-# ---- key grammar -----------------------------------------------------------------------------------------
+# ---- key grammar (shared by every family) -----------------------------------------------------------
 _KIND_SUFFIXES = (  # (regex on the key's tail, kind); the module path is what precedes the match
     (re.compile(r"\.(?:lora_A|lora_down)(?:\.[A-Za-z0-9_]+)?\.weight$"), "A"),
     (re.compile(r"\.(?:lora_B|lora_up)(?:\.[A-Za-z0-9_]+)?\.weight$"), "B"),
@@ -181,62 +105,6 @@ _KIND_SUFFIXES = (  # (regex on the key's tail, kind); the module path is what p
 )
 _UNSUPPORTED = re.compile(r"dora_scale|lora_magnitude_vector|lora_mid|hada_|lokr_|lora_embedding_|\.oft_")
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.")
-_KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
-_WAN_HINT = re.compile(  # tokens only original Wan naming has (dotted, or underscored as in kohya keys)
-    r"blocks[._]\d+[._](self_attn|cross_attn)[._](q|k|v|o|k_img|v_img|norm_q|norm_k)([._]|$)"
-    r"|blocks[._]\d+[._]ffn[._][02]([._]|$)|(^|[._])head[._]head([._]|$)"
-    r"|(^|[._])(text_embedding|time_embedding)[._][02]([._]|$)|(^|[._])time_projection[._]1([._]|$)")
-
-
-def _wan_table() -> list[tuple[str, str]]:
-    """(original Wan name, diffusers WanTransformer3DModel name); ``{i}`` is a block index."""
-    table = [("blocks.{i}.ffn.0", "blocks.{i}.ffn.net.0.proj"), ("blocks.{i}.ffn.2", "blocks.{i}.ffn.net.2"),
-             ("blocks.{i}.norm3", "blocks.{i}.norm2"), ("blocks.{i}.norm2", "blocks.{i}.norm3"),
-             ("blocks.{i}.modulation", "blocks.{i}.scale_shift_table"),
-             ("blocks.{i}.cross_attn.k_img", "blocks.{i}.attn2.add_k_proj"),
-             ("blocks.{i}.cross_attn.v_img", "blocks.{i}.attn2.add_v_proj"),
-             ("blocks.{i}.cross_attn.norm_k_img", "blocks.{i}.attn2.norm_added_k"),
-             ("head.head", "proj_out"), ("head.modulation", "scale_shift_table"),
-             ("time_projection.1", "condition_embedder.time_proj"),
-             ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
-             ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
-             ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
-             ("img_emb.proj.4", "condition_embedder.image_embedder.norm2")]
-    for ours, theirs in (("self_attn", "attn1"), ("cross_attn", "attn2")):
-        for o, d in (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"), ("norm_q", "norm_q"),
-                     ("norm_k", "norm_k")):
-            table.append((f"blocks.{{i}}.{ours}.{o}", f"blocks.{{i}}.{theirs}.{d}"))
-    for ours, theirs in (("text_embedding", "text_embedder"), ("time_embedding", "time_embedder")):
-        for n, d in (("0", "linear_1"), ("2", "linear_2")):
-            table.append((f"{ours}.{n}", f"condition_embedder.{theirs}.{d}"))
-    return table
-
-
-def _compile(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)"))
-
-
-_WAN_FORWARD = [(_compile(w), d) for w, d in _wan_table()]
-_WAN_BACKWARD = [(_compile(d), w) for w, d in _wan_table()]
-
-
-def _rename(name: str, rules: list[tuple[re.Pattern, str]]) -> str:
-    for pattern, template in rules:
-        m = pattern.fullmatch(name)
-        if m:
-            return template.replace("{i}", m.group("i")) if "{i}" in template else template
-    return name
-
-
-def wan_to_diffusers_name(name: str) -> str:
-    """Original Wan module/parameter path -> diffusers ``WanTransformer3DModel`` path (identity if unknown)."""
-    return _rename(name, _WAN_FORWARD)
-
-
-def diffusers_to_wan_name(name: str) -> str:
-    """Inverse of ``wan_to_diffusers_name``."""
-    return _rename(name, _WAN_BACKWARD)
-
 
 def _split_key(key: str) -> tuple[str, str] | None:
     for pattern, kind in _KIND_SUFFIXES:
@@ -260,6 +128,8 @@ class _Targets:
     """Maps a key's module path onto the module: ``(target name, packed slice index | None)`` or None."""
 
     def __init__(self, module: nn.Module, packed: Mapping[str, Sequence[str]], wan: bool) -> None:
+        from vllm_diffusion_plugin.engine.lora.kohya import KohyaNames  # kohya imports this module's errors
+
         self.modules = dict(module.named_modules())
         self.params = dict(module.named_parameters())
         self.wan = wan
@@ -268,11 +138,11 @@ class _Targets:
             parent, _, leaf = name.rpartition(".")
             for i, sub in enumerate(packed.get(leaf, ())):
                 self.slices[f"{parent}.{sub}" if parent else sub] = (name, i)
-        self._kohya: dict[str, list[str]] | None = None
+        self.kohya = KohyaNames((*self.modules, *self.params, *self.slices), wan=wan)
 
     def resolve(self, path: str) -> tuple[str, int | None] | None:
-        if path.startswith(_KOHYA_PREFIXES):
-            found = self._kohya_lookup(path)
+        if self.kohya.claims(path):
+            found = self.kohya.lookup(path)
             if found is None:
                 return None
             path = found
@@ -283,49 +153,6 @@ class _Targets:
             if name in self.slices:
                 return self.slices[name]
         return None
-
-    def _kohya_lookup(self, path: str) -> str | None:
-        if self._kohya is None:
-            table: dict[str, list[str]] = defaultdict(list)
-            for name in (*self.modules, *self.params, *self.slices):
-                alias = diffusers_to_wan_name(name) if self.wan else name
-                if name:
-                    table[alias.replace(".", "_")].append(alias)
-            self._kohya = table
-        stem = path.split("_", 2)[2] if path.startswith("lora_unet_") else path[len("lora_transformer_"):]
-        found = self._kohya.get(stem, [])
-        if len(found) > 1:
-            raise LoraFormatError(f"kohya key prefix {path!r} is ambiguous: it matches modules {sorted(found)}")
-        return found[0] if found else None
-
-
-def _maybe_convert_kohya_flux(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Kohya files in original FLUX naming need diffusers' converter (q/k/v splits, alpha baked in)."""
-    if not any(k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) for k in state_dict):
-        return state_dict
-    try:
-        from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
-    except ImportError as exc:
-        raise LoraFormatError(
-            "This LoRA is a kohya file in original FLUX naming (lora_unet_double_blocks_*); converting it needs "
-            "diffusers: pip install 'vllm-diffusion-plugin[test]' (or the [cli] extra)") from exc
-    logger.info("Converting a kohya FLUX LoRA (%d keys) with diffusers' converter", len(state_dict))
-    return _convert_kohya_flux_lora_to_diffusers(dict(state_dict))
-
-
-def _config_scale(config: Mapping, names: Sequence[str], rank: int, keys: Sequence[str]) -> float:
-    """PEFT's scaling for one module: ``lora_alpha / r`` (or ``/ sqrt(r)`` with rslora), patterns applied."""
-    def pattern_value(patterns: Mapping, default):
-        for pattern, value in (patterns or {}).items():
-            if any(re.match(rf"(.*\.)?({pattern})$", n) for n in names):
-                return value
-        return default
-
-    r = int(pattern_value(config.get("rank_pattern"), config.get("r", rank)))
-    alpha = float(pattern_value(config.get("alpha_pattern"), config.get("lora_alpha", r)))
-    if r != rank:
-        raise LoraRankError(f"adapter config says r={r} for {names[0]} but {keys[0]} has rank {rank}")
-    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
 
 
 def _finite(key: str, t: torch.Tensor) -> None:
@@ -349,14 +176,16 @@ def normalize_lora(
     that matches no module is an error (else a warning, and it is skipped). Shapes, ranks and finiteness
     are always checked; unsupported LoRA variants and partial packed slices are always errors.
     """
+    from vllm_diffusion_plugin.engine.lora.kohya import maybe_convert_kohya_flux
+
     if not math.isfinite(scale):
         raise NonFiniteLoraError(f"LoRA scale {scale} is not finite")
-    state_dict = _maybe_convert_kohya_flux(dict(state_dict))
+    state_dict = maybe_convert_kohya_flux(dict(state_dict))
     unsupported = [k for k in state_dict if _UNSUPPORTED.search(k)]
     if unsupported:
         raise UnsupportedLoraError(f"LoRA variant not fusable as W + s*B@A (DoRA/LoHa/LoKr/...): {unsupported[:20]}")
     packed = dict(packed_modules or {})
-    wan = any(_WAN_HINT.search(_strip_prefixes(k)) for k in state_dict)
+    wan = uses_wan_naming(_strip_prefixes(k) for k in state_dict)
     targets = _Targets(module, packed, wan)
     groups: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = defaultdict(dict)
     unmatched = []
@@ -416,7 +245,9 @@ def _slice_delta(name: str, parts: dict, scale: float, config: Mapping | None) -
                 raise LoraShapeError(f"{ka} must hold one number, got shape {tuple(alpha.shape)}")
             ab_scale = scale * float(alpha.item()) / rank
         elif config:
-            ab_scale = scale * _config_scale(config, [name, _strip_prefixes(_split_key(kb)[0])], rank, keys)
+            from vllm_diffusion_plugin.engine.lora.peft import config_scale  # peft imports this module's types
+
+            ab_scale = scale * config_scale(config, [name, _strip_prefixes(_split_key(kb)[0])], rank, keys)
     bias = None
     if "lora_bias" in parts:
         bias = _scaled(parts["lora_bias"][1], ab_scale)

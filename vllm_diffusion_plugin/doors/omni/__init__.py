@@ -26,15 +26,15 @@ def apply_patches() -> None:
     """Apply every vllm-omni patch unit now or when its target module is imported. Idempotent."""
     if "vllm_omni" not in sys.modules and importlib.util.find_spec("vllm_omni") is None:
         return
-    from vllm_diffusion_plugin.omni import _patching
+    from vllm_diffusion_plugin.doors.omni import _patching
 
     _patching.install(PATCH_UNITS)
 
 
 def patch_status() -> dict[str, str]:
     """Each unit's state (``applied``, ``pending (...)``, ``skipped: ...``, ...); empty without vllm-omni."""
-    if "vllm_diffusion_plugin.omni._patching" not in sys.modules:
+    if "vllm_diffusion_plugin.doors.omni._patching" not in sys.modules:
         return {}
-    from vllm_diffusion_plugin.omni import _patching
+    from vllm_diffusion_plugin.doors.omni import _patching
 
     return _patching.status()

@@ -39,9 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
-from vllm_diffusion_plugin import platform
-from vllm_diffusion_plugin.lora.formats import LoraDelta
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.lora.normal import LoraDelta
 
 logger = init_logger(__name__)
 
@@ -399,7 +398,7 @@ def fuse_lora_files(
     packed_modules: Mapping[str, Sequence[str]] | None = None,
 ) -> FuseStats:
     """Load, normalize and validate every LoRA file first (``prepare_lora_files``), then fuse them in order."""
-    from vllm_diffusion_plugin.lora.prepare import prepare_lora_files
+    from vllm_diffusion_plugin.engine.lora.prepare import prepare_lora_files
 
     items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
     return fuse_prepared(module, prepare_lora_files(module, items, strict=strict, packed_modules=packed_modules),
@@ -410,7 +409,7 @@ def fuse_prepared(module: nn.Module, prepared: Sequence, *, chunk_mb: int = 256,
                   name: str = "") -> FuseStats:
     """Fuse already validated LoRA files (``prepare.PreparedLora``, in order) into ``module``; a progress bar
     over targets per ``progress.progress_bar``."""
-    from vllm_diffusion_plugin.progress import progress_bar
+    from vllm_diffusion_plugin.engine.progress import progress_bar
 
     bar = progress_bar(total=sum(len(lora.deltas) for lora in prepared), unit="targets", progress=progress,
                        desc=f"Fusing LoRA into {name or type(module).__name__}")

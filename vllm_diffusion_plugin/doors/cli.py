@@ -85,7 +85,7 @@ class Interrupted(BaseException):
 
 def _options(args: argparse.Namespace):
     """LoadOptions from the flags; keys without a flag fall back to their VLLM_DIFFUSION_* variables."""
-    from vllm_diffusion_plugin.config import LoadOptions
+    from vllm_diffusion_plugin.engine.config import LoadOptions
 
     extra = {"lora_scale": args.lora_scale}
     if args.allow_pickle:  # unset: VLLM_DIFFUSION_ALLOW_PICKLE decides
@@ -97,11 +97,11 @@ def _options(args: argparse.Namespace):
 
 def _validate(args: argparse.Namespace, world_size: int) -> list:
     """Every check that needs no weights, in the launching process, before any rank starts; the sources."""
-    from vllm_diffusion_plugin.checkpoint import PickleRefusedError, is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.distributed_load import check_strategy
-    from vllm_diffusion_plugin.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.output import check_output_dir
-    from vllm_diffusion_plugin.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.doors.output import check_output_dir
+    from vllm_diffusion_plugin.engine.checkpoint import PickleRefusedError, is_transformer, resolve_checkpoint
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.strategies import check_strategy
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -125,7 +125,7 @@ def run_load(args: argparse.Namespace) -> dict:
     written into a hidden staging folder next to OUT_DIR and renamed into place only after every rank
     succeeded; on any failure or interrupt the staging folder is removed.
     """
-    from vllm_diffusion_plugin.output import Staging
+    from vllm_diffusion_plugin.doors.output import Staging
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
@@ -147,7 +147,7 @@ def run_load(args: argparse.Namespace) -> dict:
 
 
 def _run_spawned(args: argparse.Namespace, world_size: int, out_dir: Path | None) -> dict:
-    from vllm_diffusion_plugin.launcher import run_ranks
+    from vllm_diffusion_plugin.doors.launcher import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-") as tmp:
         run_ranks(_spawned_rank, world_size=world_size, workdir=Path(tmp), args=(args, out_dir),
@@ -164,16 +164,17 @@ def _spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Name
 
 
 def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: str | None = None) -> dict:
-    from vllm_diffusion_plugin.noise import quiet_third_party
+    from vllm_diffusion_plugin.doors.noise import quiet_third_party
 
     quiet_third_party(verbose=args.verbose)
     import torch
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin import compat, platform
-    from vllm_diffusion_plugin.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.pipeline import LoraSpec, load_components, resolve_target_device, save_components
-    from vllm_diffusion_plugin.report import merge_ranks
+    from vllm_diffusion_plugin import compat
+    from vllm_diffusion_plugin.engine import platform
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, resolve_target_device, save_components
+    from vllm_diffusion_plugin.engine.report import merge_ranks
 
     compat.configure_vllm_logging()
     quiet_third_party(verbose=args.verbose)  # vLLM's configuration replaced the handlers
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     # Logs go to stderr so that --json output on stdout stays parseable.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
-    from vllm_diffusion_plugin.noise import quiet_third_party
+    from vllm_diffusion_plugin.doors.noise import quiet_third_party
 
     quiet_third_party(verbose=args.verbose)
     missing = _missing_cli_extra()
@@ -265,13 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             import traceback
             traceback.print_exc()
-        from vllm_diffusion_plugin.launcher import error_line
+        from vllm_diffusion_plugin.doors.launcher import error_line
 
         print(f"vllm-diffusion: error: {error_line(exc)}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    from vllm_diffusion_plugin.report import format_table
+    from vllm_diffusion_plugin.engine.report import format_table
 
     print(json.dumps(merged, indent=2) if args.json else format_table(merged))
     return 0

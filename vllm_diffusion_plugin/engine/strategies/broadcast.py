@@ -27,7 +27,6 @@ import datetime
 import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +34,14 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.checkpoint import ComponentSource
-from vllm_diffusion_plugin.config import LoadOptions
-from vllm_diffusion_plugin.distributed_load import ComponentLoad, DistributedLoadError
-from vllm_diffusion_plugin.report import LoadReport
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.strategies.base import (
+    ComponentLoad,
+    DistributedLoadError,
+    LoadContext,
+    normalize_lora_files,
+)
 
 logger = init_logger(__name__)
 
@@ -248,7 +251,7 @@ class _Sender:
         self.nested = {"lora": 0.0, "broadcast": 0.0}  # seconds spent inside the stream, not reading
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from vllm_diffusion_plugin.weights import iterate_weights
+        from vllm_diffusion_plugin.engine.weights import iterate_weights
 
         self.handshaken = True
         self.channel.handshake(self.what, self.digest, None)
@@ -282,7 +285,7 @@ class _Sender:
         return pack
 
     def _fuse_pending(self) -> None:
-        from vllm_diffusion_plugin.lora import LoraDelta, fuse_lora
+        from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 
         if not self.pending:
             return
@@ -312,15 +315,24 @@ def _report_early_failure(channel: BroadcastChannel, what: str, exc: BaseExcepti
         logger.warning("Could not report the failure (%s) to the other ranks: %s", exc, second)
 
 
-def load_broadcast(source: ComponentSource, *, channel: BroadcastChannel, dtype: torch.dtype, options: LoadOptions,
-                   loras: Sequence[Any], report: LoadReport,
-                   progress: bool | None = None) -> ComponentLoad:
-    """Load ``source`` on every rank of ``channel``'s world; only rank 0 reads the checkpoint (see module doc).
+def open_channel(options: LoadOptions, device: torch.device) -> BroadcastChannel:
+    """The channel a ``broadcast`` load sends through, sized and timed by ``options``; collective."""
+    return BroadcastChannel(timeout_s=options.hsdp_broadcast_timeout_s,
+                            bucket_bytes=options.hsdp_broadcast_bucket_mb << 20, device=device)
+
+
+def load_broadcast(source: ComponentSource, *, context: LoadContext,
+                   lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
+    """Load ``source`` on every rank of ``context.channel``'s world; only rank 0 reads the checkpoint (see
+    module doc).
 
     All ranks must call this for the same sources in the same order. Returns the full module on the host.
     """
-    from vllm_diffusion_plugin.skeleton import build_component
-    from vllm_diffusion_plugin.weights import load_into_module
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.weights import load_into_module
+
+    channel, dtype, options = context.channel, context.dtype, context.options
+    report, progress = context.report, context.progress
 
     what = f"{source.name} ({source.folder})"
     try:
@@ -350,7 +362,8 @@ def load_broadcast(source: ComponentSource, *, channel: BroadcastChannel, dtype:
 
     sender = None
     try:
-        files = [lora.deltas for lora in loras]  # lora.PreparedLora, validated before any read
+        with report.phase("lora"):
+            files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
                          progress=progress)

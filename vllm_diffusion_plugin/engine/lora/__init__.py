@@ -1,4 +1,7 @@
-"""Distilled-LoRA support: file formats -> normalized deltas (``formats``), fusion with the device rule (``fuse``).
+"""Distilled-LoRA support: file formats -> normalized deltas, fusion with the device rule (``fuse``).
+
+The normal form and the key dispatch live in ``normal``; one module per format family: ``peft`` (diffusers /
+PEFT keys, reading files and adapter configs), ``kohya``, ``wan`` (Wan / LightX2V names).
 
 One call for the load pipeline::
 
@@ -8,7 +11,7 @@ or, step by step: ``load_lora`` -> ``normalize_lora`` (validates everything, tou
 ``fuse_lora`` / ``unfuse_lora``.
 """
 
-from vllm_diffusion_plugin.lora.formats import (
+from vllm_diffusion_plugin.engine.lora.normal import (
     LoraDelta,
     LoraFile,
     LoraFormatError,
@@ -18,11 +21,10 @@ from vllm_diffusion_plugin.lora.formats import (
     PartialPackedLoraError,
     UnmatchedLoraKeysError,
     UnsupportedLoraError,
-    load_lora,
-    load_lora_state_dict,
     normalize_lora,
 )
-from vllm_diffusion_plugin.lora.fuse import (
+from vllm_diffusion_plugin.engine.lora.peft import load_lora, load_lora_state_dict
+from vllm_diffusion_plugin.engine.lora.fuse import (
     FuseStats,
     LoraFusionError,
     NonFiniteFusionError,
@@ -35,7 +37,7 @@ from vllm_diffusion_plugin.lora.fuse import (
     resolve_compute_device,
     unfuse_lora,
 )
-from vllm_diffusion_plugin.lora.prepare import NoLoraTargetsError, PreparedLora, prepare_lora_files
+from vllm_diffusion_plugin.engine.lora.prepare import NoLoraTargetsError, PreparedLora, prepare_lora_files
 
 __all__ = [
     "FuseStats", "LoraDelta", "NoLoraTargetsError", "PreparedLora", "fuse_prepared", "prepare_lora_files", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",

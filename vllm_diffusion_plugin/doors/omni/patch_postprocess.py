@@ -8,7 +8,7 @@ move parameters one by one with ``param.data = param.data.to(...)``, which raise
 parameters ("Attempted to set the storage of a tensor on device cuda:0 to a storage on different device
 cpu"); an intermediate main-branch commit did that for every model and broke HSDP loads.
 
-How. The method is replaced by a call to ``vllm_diffusion_plugin.postprocess.process_weights_after_loading``:
+How. The method is replaced by a call to ``vllm_diffusion_plugin.engine.postprocess.process_weights_after_loading``:
 vLLM's finalize under online quant, whole-module moves otherwise, per-parameter moves of real (non-meta,
 non-DTensor) parameters under online quant, layers already processed skipped, processed layers marked. The
 loader has no vLLM ``ModelConfig``; vLLM attention layers (the only users of it: ``model_config.dtype``) get
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.omni._patching import is_patched, mark, require_attr, require_params
+from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
 
 logger = init_logger(__name__)
 
@@ -60,7 +60,7 @@ def apply(module: Any) -> str:
 def _replacement(original):
     @functools.wraps(original)
     def _process_weights_after_loading(self, model, target_device):
-        from vllm_diffusion_plugin.postprocess import process_weights_after_loading
+        from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
 
         od_config = getattr(self, "od_config", None)
         view = OmniModelConfigView(dtype=od_config.dtype) if od_config is not None else None

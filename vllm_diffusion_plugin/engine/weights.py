@@ -19,9 +19,8 @@ from types import MappingProxyType
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
-from vllm_diffusion_plugin.checkpoint import CheckpointError, ComponentSource, TensorInfo
-from vllm_diffusion_plugin.progress import progress_bar
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
+from vllm_diffusion_plugin.engine.progress import progress_bar
 
 logger = init_logger(__name__)
 
@@ -200,9 +199,14 @@ def _join(names: Iterable[str], limit: int = 20) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _validate(module: nn.Module, targets: Mapping[str, torch.Tensor], tensors: Mapping[str, TensorInfo],
-              exempt: set[str], strict_unexpected: bool, origin: str) -> None:
-    """Every problem the headers reveal, raised before any tensor data is read or copied."""
+def validate_headers(module: nn.Module, targets: Mapping[str, torch.Tensor], tensors: Mapping[str, TensorInfo], *,
+                     exempt: set[str], strict_unexpected: bool, origin: str) -> None:
+    """Every problem the checkpoint headers reveal (shapes, dtypes, missing and, with ``strict_unexpected``,
+    unexpected keys, meta targets), raised as one ``WeightLoadError`` before any tensor data is read or copied.
+
+    ``targets``: the module's ``state_dict(keep_vars=True)`` (a sharded module's DTensors are checked by their
+    global shapes); ``exempt``: from ``strict_check_exemptions``; ``origin`` names the checkpoint in messages.
+    """
     problems = [msg for name, info in tensors.items() if name in targets
                 for msg in [_mismatch(name, targets[name], info.shape, info.dtype, info.file.name)] if msg]
     missing = set(targets) - set(tensors) - exempt
@@ -259,7 +263,8 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     else:
         targets = module.state_dict(keep_vars=True)
         if source is not None:
-            _validate(module, targets, source.tensors, exempt, strict_unexpected, origin)
+            validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=strict_unexpected,
+                             origin=origin)
         stream = weights if weights is not None else iterate_weights(
             source, keys=[k for k in source.tensors if k in targets], progress=progress)
         loaded, unexpected = _copy_all(targets, _counted(stream, stats, named_by), strict_unexpected, origin,

@@ -17,7 +17,8 @@ from pathlib import Path
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.lora.formats import LoraDelta, LoraFormatError, load_lora, normalize_lora
+from vllm_diffusion_plugin.engine.lora.normal import LoraDelta, LoraFormatError, normalize_lora
+from vllm_diffusion_plugin.engine.lora.peft import load_lora
 
 logger = init_logger(__name__)
 

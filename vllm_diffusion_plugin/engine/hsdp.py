@@ -272,7 +272,7 @@ def _prepare_params(model: nn.Module, device: torch.device,
     """Make non-contiguous parameters contiguous; move unshardable ones to ``device`` (FSDP does not move
     ignored parameters; with ``allow_meta`` meta ones stay for the caller's ``to_empty``). Returns
     {unshardable parameter: name} and the names made contiguous."""
-    from vllm_diffusion_plugin.postprocess import move_parameter
+    from vllm_diffusion_plugin.engine.postprocess import move_parameter
 
     ignored: dict[nn.Parameter, str] = {}
     made_contiguous: list[str] = []
@@ -321,7 +321,7 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
 
     Run after LoRA fusion and post-load processing (FSDP2 wants plain, contiguous, materialized tensors).
     ``allow_meta``: accept a skeleton on ``meta`` (the rank-local load: shard first, then ``to_empty`` allocates
-    only the local shards and each rank reads its own rows; see ``distributed_load``).
+    only the local shards and each rank reads its own rows; see ``strategies.rank_local``).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-
-from vllm_diffusion_plugin.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
-from vllm_diffusion_plugin.progress import progress_bar
-from vllm_diffusion_plugin.report import human_count
+from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
+from vllm_diffusion_plugin.engine.progress import progress_bar
+from vllm_diffusion_plugin.engine.report import human_count
 
 logger = init_logger(__name__)
 
@@ -104,6 +103,21 @@ def materialize(module: nn.Module, *, device: torch.device | str, dtype: torch.d
     (diffusers' rule); others keep theirs. Shared (tied) parameters stay shared.
     """
     device = torch.device(device)
+    _place_parameters(module, device=device, dtype=dtype, keep_fp32=keep_fp32)
+    for module_name, sub in module.named_modules():
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is None:
+                continue
+            if buffer.is_meta:
+                raise CheckpointError(f"buffer {module_name}.{name} {list(buffer.shape)} was created on meta; "
+                                      f"its value cannot be recovered")
+            sub._buffers[name] = buffer.to(device)
+    return module
+
+
+def _place_parameters(module: nn.Module, *, device: torch.device, dtype: torch.dtype,
+                      keep_fp32: tuple[str, ...]) -> None:
+    """``materialize``'s parameter half: each parameter on ``device`` in its final dtype (diffusers' rule)."""
     replaced: dict[int, nn.Parameter] = {}
     for module_name, sub in module.named_modules():
         for name, param in list(sub._parameters.items()):
@@ -120,21 +134,14 @@ def materialize(module: nn.Module, *, device: torch.device | str, dtype: torch.d
                     data = param.detach().to(device=device, dtype=target)
                 replaced[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
             sub._parameters[name] = replaced[id(param)]
-        for name, buffer in list(sub._buffers.items()):
-            if buffer is None:
-                continue
-            if buffer.is_meta:
-                raise CheckpointError(f"buffer {module_name}.{name} {list(buffer.shape)} was created on meta; "
-                                      f"its value cannot be recovered")
-            sub._buffers[name] = buffer.to(device)
-    return module
 
 
 def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """The component's diffusers model with uninitialized parameters on ``device`` and real buffers, in eval().
 
     Load weights next (``weights.load_into_module(module, source=source)``). ``device="meta"`` returns the
-    skeleton without allocating anything.
+    skeleton without allocating anything: parameters on ``meta`` already in their final dtypes (``dtype``, or
+    float32 for the class's ``_keep_in_fp32_modules``), buffers with their real constructed values.
     """
     cls = component_class(source)
     config = dict(source.config)
@@ -146,6 +153,8 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
                                   f"this config: {type(exc).__name__}: {exc}") from exc
     if torch.device(device).type != "meta":
         materialize(module, device=device, dtype=dtype, keep_fp32=_fp32_module_names(cls))
+    else:  # diffusers' dtype rule on meta: parameters only, buffers keep their values
+        _place_parameters(module, device=torch.device("meta"), dtype=dtype, keep_fp32=_fp32_module_names(cls))
     module.eval()
     n_params = sum(p.numel() for p in module.parameters())
     logger.info("Built %s (%s, %s parameters, %s) on %s from %s without initializing weights",

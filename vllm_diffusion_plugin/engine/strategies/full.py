@@ -1,0 +1,33 @@
+"""The ``full`` weight-load strategy: this rank reads the whole checkpoint into a full host copy and fuses LoRA.
+
+Simple and always possible (a single process, pickle weights, models with their own ``load_weights``), but
+S ranks read S copies and each holds a full model before the pipeline shards it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadContext
+
+
+def load_full(source: ComponentSource, *, context: LoadContext,
+              lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
+    """Build the skeleton on the host, stream every weight into it, fuse LoRA on plain host tensors."""
+    from vllm_diffusion_plugin.engine.lora import fuse_prepared, prepare_lora_files
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.weights import load_into_module
+
+    options, report = context.options, context.report
+    with report.phase("build"):
+        module = build_component(source, dtype=context.dtype, device="cpu")
+    with report.phase("read"):
+        result = load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
+                                  progress=context.progress)
+    stats = None
+    if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
+        with report.phase("lora"):
+            stats = fuse_prepared(module, prepare_lora_files(module, lora_files, strict=options.lora_strict),
+                                  chunk_mb=options.lora_device_chunk_mb, progress=context.progress, name=source.name)
+    return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)
