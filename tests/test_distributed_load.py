@@ -333,7 +333,8 @@ def run_with_victim(world_size: int, args: tuple, survivors: list[int], out_dir:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(DEFAULT_PRELOAD))
     queue, init_method = ctx.Queue(), rendezvous()
-    procs = [ctx.Process(target=_child, args=(victim_worker, r, world_size, init_method, args, {"OMP_NUM_THREADS": "1"},
+    procs = [ctx.Process(target=_child, args=(victim_worker, r, world_size, init_method, args,
+                                              {"OMP_NUM_THREADS": "1"},
                                               120.0, queue), daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()
