@@ -9,9 +9,9 @@ have run torch and started threads): by default they come from multiprocessing's
 single-threaded interpreter started once per test process that imports ``preload`` (torch, diffusers, the
 plugin) once, so each rank starts with them instead of paying ~10 s of imports (a 4-rank run on 2 cores
 saves most of a minute); ``start_method="spawn"`` gives fully independent interpreters. The fork server's
-preload list is fixed when it first starts. Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` (a free port) in its environment, ``torch.set_num_threads(1)`` unless
-``env`` sets ``OMP_NUM_THREADS``, and an initialized gloo default group, destroyed when the function returns.
+preload list is fixed when it first starts. Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``
+in its environment, ``torch.set_num_threads(1)`` unless ``env`` sets ``OMP_NUM_THREADS``, and an initialized
+gloo default group (met through a fresh file store, no TCP port), destroyed when the function returns.
 
 Returns the per-rank return values (picklable) in rank order. If a rank raises, every other rank is killed
 and the exception raised first (by the ranks' clocks, among those reported within a second: a failing rank's
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -48,17 +48,15 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def rendezvous() -> str:
+    """A fresh ``file://`` store for one group's rendezvous. Not a TCP port: a port picked free and bound later
+    by rank 0 can be taken in between by any other process (the flaky-test cause of issue 14)."""
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="vllm-diffusion-store-"), "store")
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, env: Mapping[str, str],
-           pg_timeout_s: float, results) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
+def _child(fn: Callable[..., Any], rank: int, world_size: int, init_method: str, args: tuple,
+           env: Mapping[str, str], pg_timeout_s: float, results) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), **env})
     import datetime
 
     import torch
@@ -67,7 +65,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     if "OMP_NUM_THREADS" in env:  # torch is already imported here, so the variable alone is too late
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
         report = (rank, True, pickle.dumps(fn(rank, world_size, *args)), time.time())
     except BaseException as exc:  # report everything, including SystemExit / KeyboardInterrupt
@@ -113,9 +111,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *, args: tuple = ()
     if start_method == "forkserver":
         ctx.set_forkserver_preload(list(preload))  # effective when this process starts its server
     results = ctx.Queue()
-    port = free_port()
+    init_method = rendezvous()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, port, args, env, timeout_s, results),
+    procs = [ctx.Process(target=_child, args=(fn, rank, world_size, init_method, args, env, timeout_s, results),
                          name=f"rank{rank}", daemon=True) for rank in range(world_size)]
     for proc in procs:
         proc.start()

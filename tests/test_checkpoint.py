@@ -243,3 +243,33 @@ def test_uncached_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"'no-such-org/no-such-model' is not a local path .* HF_HUB_OFFLINE=1 "
                                               r"is set and it is not in the local Hugging Face cache"):
         resolve_checkpoint("no-such-org/no-such-model")
+
+
+@pytest.mark.parametrize("library, class_name, expected", [
+    ("diffusers", "WanTransformer3DModel", True), ("diffusers", "FluxTransformer2DModel", True),
+    ("diffusers", "QwenImageTransformer2DModel", True), ("diffusers", "CogVideoXTransformer3DModel", True),
+    ("diffusers", "SD3Transformer2DModel", True), ("diffusers", "HunyuanDiT2DModel", True),
+    ("diffusers", "PixArtTransformer2DModel", True),
+    ("diffusers", "AutoencoderKL", False), ("diffusers", "AutoencoderKLWan", False),
+    ("diffusers", "UNet2DConditionModel", False), ("diffusers", "FluxControlNetModel", False),
+    ("diffusers", "FlowMatchEulerDiscreteScheduler", False),
+    ("transformers", "T5EncoderModel", False), ("transformers", "UMT5EncoderModel", False),
+    ("diffusers", "SomeFutureTransformer3DModel", True),  # unknown to this diffusers: its naming convention
+    (None, None, False),
+])
+def test_dit_is_decided_by_the_class_not_the_folder_name(library, class_name, expected):
+    from vllm_diffusion_plugin.engine.checkpoint import is_dit_class
+
+    assert is_dit_class(library, class_name) is expected
+
+
+def test_is_transformer_reads_the_component_class(tiny_wan_dir, tmp_path):
+    from vllm_diffusion_plugin.engine.checkpoint import is_transformer
+
+    renamed = tmp_path / "my-model"
+    shutil.copytree(tiny_wan_dir / "transformer", renamed)
+    assert is_transformer(resolve_component(renamed))
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text('{"_class_name": "AutoencoderKLWan"}')
+    save_file({"w": torch.zeros(1)}, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
+    assert not is_transformer(resolve_component(tmp_path / "vae"))

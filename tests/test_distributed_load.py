@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import DEFAULT_PRELOAD, _child, free_port, run_distributed
+from dist_utils import DEFAULT_PRELOAD, _child, rendezvous, run_distributed
 
 FFN_UNEVEN = 30
 STRATEGIES = ("full", "broadcast", "rank_local")
@@ -332,8 +332,9 @@ def run_with_victim(world_size: int, args: tuple, survivors: list[int], out_dir:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(DEFAULT_PRELOAD))
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_child, args=(victim_worker, r, world_size, port, args, {"OMP_NUM_THREADS": "1"},
+    queue, init_method = ctx.Queue(), rendezvous()
+    procs = [ctx.Process(target=_child, args=(victim_worker, r, world_size, init_method, args,
+                                              {"OMP_NUM_THREADS": "1"},
                                               120.0, queue), daemon=True) for r in range(world_size)]
     for proc in procs:
         proc.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,7 +257,7 @@ def test_progress_bar_only_on_rank_zero_terminals(tiny_flux_dir, monkeypatch):
     from vllm_diffusion_plugin.engine import weights
 
     [source] = resolve_checkpoint(tiny_flux_dir)
-    monkeypatch.setattr(weights.sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     monkeypatch.setenv("RANK", "0")
     assert weights._progress_bar(source, source.total_bytes, None) is None  # small: no bar by default
     bar = weights._progress_bar(source, source.total_bytes, True)
@@ -266,7 +267,7 @@ def test_progress_bar_only_on_rank_zero_terminals(tiny_flux_dir, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert weights._progress_bar(source, 2 << 30, True) is None
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(weights.sys.stderr, "isatty", lambda: False, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert weights._progress_bar(source, 2 << 30, True) is None
 
 

@@ -11,7 +11,7 @@ on a vLLM without it the result is ``{"skipped": reason}``.
 
 import json
 import os
-import socket
+from pathlib import Path
 import sys
 import traceback
 
@@ -32,10 +32,6 @@ from vllm.plugins import load_general_plugins  # noqa: E402
 from cpu_ops import ensure_cpu_ops  # noqa: E402  (next to this file)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ReloadUnavailable(Exception):
@@ -60,7 +56,7 @@ def main(spec_path: str, out_dir: str) -> None:
     ensure_cpu_ops()  # vLLM 0.30-0.32 with the PyPI wheel on a CPU host: see cpu_ops.py
     load_general_plugins()  # discovers and runs our entry point, as every vLLM process does
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                 distributed_init_method=f"tcp://127.0.0.1:{free_port()}", backend="gloo")
+                                 distributed_init_method=f"file://{Path(out_dir) / 'store'}", backend="gloo")
     initialized = False
     hidden = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
     for scenario in json.loads(open(spec_path).read()):

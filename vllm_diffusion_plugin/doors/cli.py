@@ -3,12 +3,17 @@
     vllm-diffusion load DIR [--component NAME]... [--lora [COMPONENT=]PATH[@SCALE]]... [--lora-scale F]
                             [--nproc N] [--hsdp-shard-size S] [--hsdp-replicate-size R]
                             [--device auto|cpu|cuda|npu] [--dtype bfloat16|float16|float32]
-                            [--hsdp-weight-load full|broadcast|rank_local] [--save-fused OUT_DIR] [--json]
-    vllm-diffusion demo [--nproc N] [--json] [--keep DIR]
+                            [--hsdp-weight-load full|broadcast|rank_local] [--save-fused OUT_DIR]
+                            [--allow-pickle] [--json] [--verbose]
+    vllm-diffusion demo [--nproc N] [--json] [--keep DIR] [--verbose]
 
 Started under ``torchrun`` (RANK and WORLD_SIZE set) the command uses that world as is; otherwise
 ``--nproc N`` spawns N local ranks (gloo on CPU, nccl/hccl on accelerators). With more than one rank the
 transformers are sharded with HSDP over a (replicate, shard) mesh.
+
+Whatever the rank count, an error is one line on stderr (exit 1): the launcher collects the first error a
+rank raised and stops the others. SIGINT / SIGTERM stop every rank and exit 130 / 143; nothing is written
+after the signal (``--save-fused`` output appears only complete, by one rename at the end).
 """
 
 from __future__ import annotations
@@ -16,53 +21,66 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
 DTYPES = ("bfloat16", "float16", "float32")
+CLI_EXTRA_HINT = 'pip install "vllm-diffusion-plugin[cli]"'
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-diffusion", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
 
-    load = sub.add_parser("load", help="load a diffusers checkpoint's DiT(s) and report")
-    load.add_argument("checkpoint", help="diffusers pipeline folder, component folder, or hub id")
+    load = sub.add_parser("load", help="load a diffusers checkpoint's DiT(s) and report", formatter_class=formatter)
+    load.add_argument("checkpoint", help="diffusers pipeline folder, component folder, or hub id (ORG/NAME)")
     _add_load_options(load)
 
-    demo = sub.add_parser("demo", help="build a tiny Wan2.2-style checkpoint + LoRA locally and load it")
+    demo = sub.add_parser("demo", help="build a tiny Wan2.2-style checkpoint + LoRA locally and load it",
+                          formatter_class=formatter)
     demo.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (HSDP when > 1)")
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     demo.add_argument("--keep", type=Path, help="write the demo checkpoint here and keep it")
+    demo.add_argument("--verbose", action="store_true",
+                      help="show third-party warnings and the traceback of an error")
     return parser
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--component", action="append", dest="components", metavar="NAME",
-                   help="component to load (repeatable; default: the pipeline's transformers)")
+                   help="component to load (repeatable); default: the pipeline's DiTs")
     p.add_argument("--lora", action="append", default=[], metavar="[COMPONENT=]PATH[@SCALE]",
                    help="LoRA file to fuse (repeatable; one per transformer is matched by position)")
-    p.add_argument("--lora-scale", type=float, default=1.0, help="multiplier on every LoRA (default 1.0)")
+    p.add_argument("--lora-scale", type=float, default=1.0, help="multiplier on every LoRA")
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
     p.add_argument("--hsdp-shard-size", type=int, default=-1, help="HSDP shard size S (-1: world / R)")
     p.add_argument("--hsdp-replicate-size", type=int, default=1, help="HSDP replicate size R")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                   help="where the loaded modules live; auto: this rank's accelerator if a probe allocation "
+                        "on it succeeds, else the CPU")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype of the loaded modules")
     p.add_argument("--hsdp-weight-load", choices=("full", "broadcast", "rank_local"), default=None,
                    help="how ranks get their weights: each reads all (full), rank 0 reads and broadcasts, or each "
-                        "reads only its own shard rows (rank_local); default: VLLM_DIFFUSION_HSDP_WEIGHT_LOAD or full")
+                        "reads only its own shard rows (rank_local); unset: VLLM_DIFFUSION_HSDP_WEIGHT_LOAD or full")
     p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
-                   help="write each loaded component (fused, gathered) as a diffusers folder under OUT_DIR")
-    p.add_argument("--allow-pickle", action="store_true", help="accept .bin/.pt weights")
+                   help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
+                        "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept .bin/.pt weights (read with torch.load(weights_only=True)); unset: "
+                        "VLLM_DIFFUSION_ALLOW_PICKLE decides")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--verbose", action="store_true", help="show third-party warnings and the traceback of an error")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the command; ``code`` is the exit status (130 / 143)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.code = 128 + signum
 
 
 def _options(args: argparse.Namespace):
@@ -77,9 +95,10 @@ def _options(args: argparse.Namespace):
     return LoadOptions.from_extra_config(extra)
 
 
-def _validate(args: argparse.Namespace, world_size: int) -> None:
-    """Every check that needs no weights, in the launching process, before any rank starts."""
-    from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
+def _validate(args: argparse.Namespace, world_size: int) -> list:
+    """Every check that needs no weights, in the launching process, before any rank starts; the sources."""
+    from vllm_diffusion_plugin.doors.output import check_output_dir
+    from vllm_diffusion_plugin.engine.checkpoint import PickleRefusedError, is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
     from vllm_diffusion_plugin.engine.strategies import check_strategy
@@ -87,44 +106,67 @@ def _validate(args: argparse.Namespace, world_size: int) -> None:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size).resolved(world_size)
-    if args.save_fused is not None and args.save_fused.exists() and any(args.save_fused.iterdir()):
-        raise FileExistsError(f"--save-fused {args.save_fused} exists and is not empty")
+    if args.save_fused is not None:
+        check_output_dir(args.save_fused, flag="--save-fused")
     options = _options(args)
-    sources = resolve_checkpoint(args.checkpoint, components=args.components, allow_pickle=options.allow_pickle)
-    assign_loras([LoraSpec.parse(text) for text in args.lora],
-                 [s.name for s in sources if is_transformer(s.name)])
-    check_strategy(options.hsdp_weight_load, sources=sources, world_size=world_size,
-                   sharded=world_size > 1)
+    try:
+        sources = resolve_checkpoint(args.checkpoint, components=args.components, allow_pickle=options.allow_pickle)
+    except PickleRefusedError as exc:
+        raise exc.with_how("pass --allow-pickle") from None
+    assign_loras([LoraSpec.parse(text) for text in args.lora], [s.name for s in sources if is_transformer(s)])
+    check_strategy(options.hsdp_weight_load, sources=sources, world_size=world_size, sharded=world_size > 1)
+    return sources
 
 
 def run_load(args: argparse.Namespace) -> dict:
     """Run ``load`` with ``args``: in this process under torchrun / for one rank, else on spawned ranks.
 
-    Returns the merged report (rank 0's view with per-rank figures).
+    Returns the merged report (rank 0's view with per-rank figures). With ``--save-fused`` the output is
+    written into a hidden staging folder next to OUT_DIR and renamed into place only after every rank
+    succeeded; on any failure or interrupt the staging folder is removed.
     """
+    from vllm_diffusion_plugin.doors.output import Staging
+
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
-    _validate(args, world_size)
-    if under_torchrun or world_size == 1:
-        return _rank_main(args)
-    import torch.multiprocessing as mp
+    sources = _validate(args, world_size)
+    writes = args.save_fused is not None and (not under_torchrun or os.environ["RANK"] == "0")
+    staging = Staging.create(args.save_fused, flag="--save-fused") if writes else None
+    try:
+        out_dir = staging.path if staging else None
+        if under_torchrun or world_size == 1:
+            merged = _rank_main(args, out_dir=out_dir)
+        else:
+            merged = _run_spawned(args, world_size, out_dir)
+        if staging:
+            staging.commit(sources, checkpoint=args.checkpoint)
+        return merged
+    finally:
+        if staging:
+            staging.discard()  # no-op after commit
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "report.json"
-        port = _free_port()
-        mp.spawn(_spawned_rank, args=(args, world_size, port, result), nprocs=world_size, join=True)
-        return json.loads(result.read_text())
+
+def _run_spawned(args: argparse.Namespace, world_size: int, out_dir: Path | None) -> dict:
+    from vllm_diffusion_plugin.doors.launcher import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-") as tmp:
+        run_ranks(_spawned_rank, world_size=world_size, workdir=Path(tmp), args=(args, out_dir),
+                  verbose=args.verbose)
+        return json.loads((Path(tmp) / "report.json").read_text())
 
 
-def _spawned_rank(rank: int, args: argparse.Namespace, world_size: int, port: int, result: Path) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    merged = _rank_main(args)
+def _spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Namespace, out_dir: Path | None) -> None:
+    """One spawned rank (see ``launcher.run_ranks``): load, and on rank 0 write the merged report."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    merged = _rank_main(args, out_dir=out_dir, init_method=f"file://{workdir / 'store'}")
     if rank == 0:
-        result.write_text(json.dumps(merged))
+        (workdir / "report.json").write_text(json.dumps(merged))
 
 
-def _rank_main(args: argparse.Namespace) -> dict:
+def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: str | None = None) -> dict:
+    from vllm_diffusion_plugin.doors.noise import quiet_third_party
+
+    quiet_third_party(verbose=args.verbose)
     import torch
     import torch.distributed as dist
 
@@ -135,13 +177,18 @@ def _rank_main(args: argparse.Namespace) -> dict:
     from vllm_diffusion_plugin.engine.report import merge_ranks
 
     compat.configure_vllm_logging()
+    quiet_third_party(verbose=args.verbose)  # vLLM's configuration replaced the handlers
     device = resolve_target_device(args.device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     started_dist = False
     if world_size > 1 and not dist.is_initialized():
         if device.type != "cpu":
             getattr(torch, device.type).set_device(device)
-        dist.init_process_group(platform.dist_backend(device))
+        if init_method is None:  # torchrun: its env:// rendezvous
+            dist.init_process_group(platform.dist_backend(device))
+        else:  # spawned ranks: a file store, no port to pick and race for
+            dist.init_process_group(platform.dist_backend(device), init_method=init_method,
+                                    rank=int(os.environ["RANK"]), world_size=world_size)
         started_dist = True
     try:
         options = _options(args)
@@ -149,10 +196,10 @@ def _rank_main(args: argparse.Namespace) -> dict:
                 if world_size > 1 else None)
         loaded = load_components(
             args.checkpoint, options=options, components=args.components, device=device,
-            dtype=getattr(torch, args.dtype), hsdp=hsdp,
+            dtype=getattr(torch, args.dtype), hsdp=hsdp, progress=not args.json and sys.stderr.isatty(),
             lora_specs=[LoraSpec.parse(text, default_scale=args.lora_scale) for text in args.lora])
         if args.save_fused is not None:
-            save_components(loaded, args.save_fused)
+            save_components(loaded, out_dir)  # every rank takes part in the gathers; rank 0 writes
         reports = [loaded.report]
         if world_size > 1:
             gathered = [None] * world_size if dist.get_rank() == 0 else None
@@ -176,22 +223,57 @@ def run_demo(args: argparse.Namespace) -> dict:
                  for i, name in enumerate(PIPELINES["wan"][2])]
         print(f"demo checkpoint: {checkpoint} (+ {len(loras)} LoRA files)", file=sys.stderr)
         load_args = _parser().parse_args(["load", str(checkpoint), "--dtype", "float32", "--device", "cpu",
-                                          "--nproc", str(args.nproc), *(f"--lora={p}" for p in loras)])
+                                          "--nproc", str(args.nproc), *(f"--lora={p}" for p in loras),
+                                          *(["--json"] if args.json else []),
+                                          *(["--verbose"] if args.verbose else [])])
         return run_load(load_args)
+
+
+def _missing_cli_extra() -> str | None:
+    """One line naming the extra to install when diffusers (which builds every skeleton) is missing."""
+    try:
+        import diffusers  # noqa: F401
+    except ImportError as exc:
+        return f"the vllm-diffusion command needs diffusers ({exc}): {CLI_EXTRA_HINT}"
+    return None
+
+
+def _raise_on_signal(signum, frame):
+    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     # Logs go to stderr so that --json output on stdout stays parseable.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
-    from vllm_diffusion_plugin.engine.report import format_table
+    from vllm_diffusion_plugin.doors.noise import quiet_third_party
 
+    quiet_third_party(verbose=args.verbose)
+    missing = _missing_cli_extra()
+    if missing:
+        print(f"vllm-diffusion: error: {missing}", file=sys.stderr)
+        return 1
+    previous = signal.signal(signal.SIGTERM, _raise_on_signal)
     try:
         merged = run_demo(args) if args.command == "demo" else run_load(args)
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:
-        # Bad input or a failed rank: the message names the file, key or rank; no traceback.
-        print(f"vllm-diffusion: error: {exc}", file=sys.stderr)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        code = exc.code if isinstance(exc, Interrupted) else 130
+        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); every rank stopped, nothing "
+              f"was written", file=sys.stderr)
+        return code
+    except Exception as exc:
+        # Bad input or a failed rank: the message names the file, key or rank; a traceback only on request.
+        if args.verbose:
+            import traceback
+            traceback.print_exc()
+        from vllm_diffusion_plugin.doors.launcher import error_line
+
+        print(f"vllm-diffusion: error: {error_line(exc)}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    from vllm_diffusion_plugin.engine.report import format_table
+
     print(json.dumps(merged, indent=2) if args.json else format_table(merged))
     return 0
 

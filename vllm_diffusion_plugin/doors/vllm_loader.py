@@ -30,7 +30,7 @@ from vllm.config.load import LoadConfig
 
 from vllm_diffusion_plugin import compat
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, resolve_checkpoint
+from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, PickleRefusedError, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.pipeline import LoraSpec
 
@@ -113,8 +113,12 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
 
     # ---- steps ------------------------------------------------------------------------------------------
     def _source(self, model_config: ModelConfig) -> ComponentSource:
-        sources = resolve_checkpoint(model_config.model, revision=model_config.revision,
-                                     allow_pickle=self.options.allow_pickle)
+        try:
+            sources = resolve_checkpoint(model_config.model, revision=model_config.revision,
+                                         allow_pickle=self.options.allow_pickle)
+        except PickleRefusedError as exc:
+            raise exc.with_how('add "allow_pickle": true to --model-loader-extra-config (or set '
+                               'VLLM_DIFFUSION_ALLOW_PICKLE=1)') from None
         if len(sources) != 1:
             raise ValueError(f"{model_config.model} resolves to {len(sources)} components "
                              f"({', '.join(s.name for s in sources)}); vLLM loads one model folder")

@@ -18,6 +18,7 @@ A *pipeline* folder has ``model_index.json`` and one subfolder per component (``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -54,6 +55,19 @@ SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as is; the message names the file, key or folder at fault."""
+
+
+class PickleRefusedError(CheckpointError):
+    """Only pickle weights and pickle was not allowed; ``with_how`` names the door's own switch."""
+
+    def __init__(self, folder: Path, first: str, how: str = "pass allow_pickle=True "
+                                                            "(VLLM_DIFFUSION_ALLOW_PICKLE=1)") -> None:
+        super().__init__(f"{folder}: only pickle weights ({first} ...) and no safetensors; to load them with "
+                         f"torch.load(weights_only=True), {how}")
+        self.folder, self.first = folder, first
+
+    def with_how(self, how: str) -> PickleRefusedError:
+        return PickleRefusedError(self.folder, self.first, how)
 
 
 @dataclass(frozen=True)
@@ -290,9 +304,7 @@ def resolve_component(folder: str | os.PathLike, *, name: str | None = None,
                                *(f"*{s}" for s in PICKLE_SUFFIXES)])
             raise CheckpointError(f"{folder}: no weight files found (tried {tried})")
         if not allow_pickle:
-            raise CheckpointError(f"{folder}: only pickle weights ({(pickle_index or pickle_files[0]).name} ...) "
-                                  f"and no safetensors; pass allow_pickle=True (VLLM_DIFFUSION_ALLOW_PICKLE=1) "
-                                  f"to load them with torch.load(weights_only=True)")
+            raise PickleRefusedError(folder, (pickle_index or pickle_files[0]).name)
         fmt = "pickle"
         if pickle_index is not None:
             index = pickle_index
@@ -307,9 +319,40 @@ def resolve_component(folder: str | os.PathLike, *, name: str | None = None,
                            config=MappingProxyType(config), tensors=MappingProxyType(tensors))
 
 
-def is_transformer(name: str) -> bool:
-    """Whether a pipeline component is one of its DiTs (diffusers names them transformer, transformer_2, ...)."""
-    return name.startswith("transformer")
+def is_dit_class(library: str | None, class_name: str | None) -> bool:
+    """Whether a component of class ``class_name`` (from ``library``) is a diffusion transformer (a DiT).
+
+    The one rule for "is this a DiT", decided by what the component is, never by its folder name: a diffusers
+    model class (a ``ModelMixin``) that diffusers files under ``diffusers.models.transformers`` -- Wan, FLUX,
+    Qwen-Image, CogVideoX, SD3, HunyuanDiT, PixArt, Z-Image ... -- and not its autoencoders, UNets or
+    controlnets, nor a ``transformers`` text encoder. A class this diffusers does not know (a newer model)
+    falls back to diffusers' naming convention (``...Transformer...Model`` / ``...DiT...``).
+    """
+    if library != "diffusers" or not class_name:
+        return False
+    return _is_dit_class_name(class_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_dit_class_name(class_name: str) -> bool:
+    try:
+        import diffusers
+    except ImportError as exc:
+        raise CheckpointError(f"telling whether {class_name} is a DiT needs diffusers: "
+                              f"pip install \"vllm-diffusion-plugin[cli]\"") from exc
+    try:
+        cls = getattr(diffusers, class_name)
+    except (AttributeError, ImportError, RuntimeError):
+        cls = None
+    if not isinstance(cls, type):
+        return ("Transformer" in class_name and class_name.endswith("Model")) or "DiT" in class_name
+    return issubclass(cls, diffusers.ModelMixin) and cls.__module__.startswith("diffusers.models.transformers.")
+
+
+def is_transformer(source: ComponentSource) -> bool:
+    """Whether a resolved component is a DiT (``is_dit_class`` on its ``config.json`` ``_class_name``)."""
+    class_name = source.config.get("_class_name")
+    return is_dit_class("diffusers" if isinstance(class_name, str) else None, class_name)
 
 
 def pipeline_components(model_index: Mapping[str, Any]) -> list[str]:
@@ -323,8 +366,8 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, components: Sequence[st
                        allow_pickle: bool = False, revision: str | None = None) -> list[ComponentSource]:
     """Resolve a pipeline folder, a component folder or a Hugging Face Hub id to validated sources.
 
-    For a pipeline the default components are its transformers (``model_index.json`` names starting with
-    "transformer", sorted: transformer, transformer_2); ``components`` picks others. A hub id (a string
+    For a pipeline the default components are its DiTs (``is_dit_class`` on the ``model_index.json``
+    entries, sorted by name: transformer, transformer_2); ``components`` picks others. A hub id (a string
     that is not an existing path) is fetched with ``huggingface_hub.snapshot_download``, only the files of
     the requested components; ``HF_HUB_OFFLINE=1`` restricts that to the local cache.
     """
@@ -339,9 +382,10 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, components: Sequence[st
             raise CheckpointError(f"{path} is a single component folder (no model_index.json); components "
                                   f"{list(components)} cannot be selected from it")
         return [resolve_component(path, allow_pickle=allow_pickle)]
-    available = pipeline_components(_read_json(model_index_path, "the pipeline index"))
+    model_index = _read_json(model_index_path, "the pipeline index")
+    available = pipeline_components(model_index)
     if components is None:
-        selected = [name for name in available if is_transformer(name)]
+        selected = [name for name in available if is_dit_class(*model_index[name])]
         if not selected:
             raise CheckpointError(f"{model_index_path}: no transformer component; available: {available}")
     else:
@@ -353,13 +397,17 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, components: Sequence[st
 
 
 def _looks_like_path(text: str) -> bool:
-    return os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") > 1 or "\\" in text
+    """A local path rather than a hub id (``ORG/NAME``): absolute, ``./``/``~``, deeper than ORG/NAME, no ``/``
+    at all, or under a folder that exists here (``checkpoints/wan`` when ``checkpoints/`` exists)."""
+    if os.path.isabs(text) or text.startswith((".", "~")) or text.count("/") != 1 or "\\" in text:
+        return True
+    return Path(text.split("/", 1)[0]).is_dir()
 
 
 def _download(repo_id: str, *, components: Sequence[str] | None, allow_pickle: bool,
               revision: str | None) -> Path:
     if _looks_like_path(repo_id):
-        raise CheckpointError(f"checkpoint folder {repo_id} does not exist")
+        raise CheckpointError(f"checkpoint folder {repo_id} does not exist (resolved: {Path(repo_id).absolute()})")
     from huggingface_hub import snapshot_download
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -377,8 +425,7 @@ def _download(repo_id: str, *, components: Sequence[str] | None, allow_pickle: b
 
     root = fetch(["model_index.json", "config.json", "*.index.json"])
     if (root / "model_index.json").is_file():
-        names = components or [n for n in pipeline_components(_read_json(root / "model_index.json",
-                                                                         "the pipeline index"))
-                               if is_transformer(n)]
+        index = _read_json(root / "model_index.json", "the pipeline index")
+        names = components or [n for n in pipeline_components(index) if is_dit_class(*index[n])]
         return fetch(["model_index.json"] + [f"{name}/{pattern}" for name in names for pattern in weights])
     return fetch(weights)

@@ -68,6 +68,9 @@ def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict
     ``transformer``, the low-noise one for ``transformer_2``); one spec and several transformers -> all
     transformers; anything else is ambiguous and an error.
     """
+    if specs and not transformers:
+        raise ValueError(f"{len(specs)} LoRA file(s) ({specs[0].path} ...) but no DiT is loaded (no component "
+                         f"whose class is a diffusers transformer); nothing would fuse them")
     assigned: dict[str, list[LoraSpec]] = {name: [] for name in transformers}
     unnamed = [s for s in specs if s.component is None]
     for spec in specs:
@@ -95,6 +98,16 @@ def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict
     return assigned
 
 
+def prepare_loras(source: ComponentSource, specs: Sequence[LoraSpec], *, dtype: torch.dtype, strict: bool) -> list:
+    """The LoRA files of one DiT read and checked (keys, ranks, shapes) against its skeleton built on ``meta``
+    from its config, before any of its weights is read; ``lora.PreparedLora`` per file, in fusion order."""
+    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+
+    skeleton = build_component(source, dtype=dtype, device="meta")
+    return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict)
+
+
 @dataclass(frozen=True)
 class World:
     """This process's place in the job (one process when torch.distributed is not initialized)."""
@@ -117,6 +130,8 @@ class LoadedComponents:
     sources: dict[str, ComponentSource]
     report: LoadReport
     shard_reports: dict[str, object] = field(default_factory=dict)
+    progress: bool | None = None
+    """Progress bars for ``save_components`` (as ``load_components`` got)."""
 
 
 def resolve_target_device(requested: str) -> torch.device:
@@ -140,13 +155,15 @@ def load_components(
     dtype: torch.dtype,
     hsdp: HSDPConfig | None = None,
     lora_specs: Sequence[LoraSpec] = (),
+    progress: bool | None = None,
 ) -> LoadedComponents:
     """Load a diffusers checkpoint's components on this rank, ending sharded (HSDP) or on ``device``.
 
     Transformers get the LoRA files and, when ``hsdp`` is given, FSDP2 sharding over a
     ``(replicate, shard)`` mesh of the current world; other components are loaded and placed on ``device``.
     ``options.hsdp_weight_load`` picks how the ranks get the weights (``strategies``); every rank of
-    the world must call this with the same arguments.
+    the world must call this with the same arguments. ``progress``: progress bars on rank 0 when stderr is a
+    terminal -- True for every step, None only for reads over 1 GiB, False never.
     """
     from vllm_diffusion_plugin.engine.hsdp import build_mesh
     from vllm_diffusion_plugin.engine.strategies import LoadContext, check_strategy
@@ -162,17 +179,21 @@ def load_components(
             report.layout = hsdp.mesh_shape
         with report.phase("resolve"):
             sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
-        transformers = [s.name for s in sources if is_transformer(s.name)]
+        transformers = [s.name for s in sources if is_transformer(s)]
         loras = assign_loras(lora_specs, transformers) if lora_specs else {}
         report.strategy = check_strategy(options.hsdp_weight_load, sources=sources, world_size=world.world_size,
                                          sharded=hsdp is not None)
+        with report.phase("lora"):  # LoRA files checked against meta skeletons: errors before any base read
+            for source in sources:
+                if loras.get(source.name):
+                    prepare_loras(source, loras[source.name], dtype=dtype, strict=options.lora_strict)
         mesh = build_mesh(hsdp, device_type=device.type) if hsdp is not None else None
         context = LoadContext(options=options, device=device, dtype=dtype, report=report, hsdp=hsdp, mesh=mesh,
-                              progress=None if world.rank == 0 else False)
+                              progress=progress if world.rank == 0 else False)
         if report.strategy == "broadcast":
             context = dataclasses.replace(context, channel=open_channel(options, device))
         step = _LoadStep(context)
-        loaded = LoadedComponents({}, {s.name: s for s in sources}, report)
+        loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
         for source in sources:
             files = [(str(s.path), s.scale) for s in loras.get(source.name, [])]
             loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
@@ -230,20 +251,23 @@ class _LoadStep:
             else:
                 module.to(context.device)
                 entry.param_bytes_local = entry.param_bytes_total
-        logger.info("Loaded %s (%s) from %s with %s: %d tensors, %.3f GB read, LoRA keys fused %d, on %s%s",
+        logger.info("Loaded %s (%s) from %s with %s: %d tensors, %.3f GB read, LoRA targets fused %d, on %s%s",
                     source.name, entry.class_name, source.folder, strategy, entry.tensors, entry.bytes_read / 1e9,
                     entry.lora_keys_fused, context.device,
                     f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
         return module
 
 
-def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike) -> list[Path]:
+def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None) -> list[Path]:
     """Write every loaded component as a diffusers folder ``out_dir/<name>`` holding its final (fused,
-    gathered) weights; sharded modules are gathered collectively and written by rank 0."""
+    gathered) weights; sharded modules are gathered collectively and written by rank 0 (other ranks may pass
+    None)."""
     from vllm_diffusion_plugin.engine.hsdp import gather_full_state_dict
     from vllm_diffusion_plugin.engine.skeleton import save_component
 
     rank = World.current().rank
+    if rank == 0 and out_dir is None:
+        raise ValueError("save_components: rank 0 needs an output folder")
     written = []
     for name, module in loaded.modules.items():
         with loaded.report.phase("save"):
@@ -252,6 +276,7 @@ def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike) -> lis
             else:
                 state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank == 0 else None
             if rank == 0:
-                written.append(save_component(state, loaded.sources[name].config, Path(out_dir) / name))
+                written.append(save_component(state, loaded.sources[name].config, Path(out_dir) / name,
+                                              progress=loaded.progress))
                 logger.info("Saved %s (%d tensors) to %s", name, len(state), written[-1])
     return written

@@ -34,6 +34,8 @@ class ComponentReport:
     param_bytes_local: int = 0
     """Parameter bytes this rank holds after sharding (== total without HSDP)."""
     lora_keys_fused: int = 0
+    """LoRA *targets* fused (modules whose weight/bias changed; several file keys each). The JSON key keeps
+    its historical name; the table heads it "lora targets"."""
     lora_compute_device: str | None = None
     lora_fallbacks: int = 0
     sharded_blocks: int = 0
@@ -103,6 +105,15 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
+def human_count(n: float) -> str:
+    """A count in human units: ``950``, ``12.3K``, ``4.50M``, ``14.0B`` (parameters, tensors)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return f"{n:.0f}"
+
+
 def format_table(merged: dict[str, Any]) -> str:
     """A human-readable table of ``merge_ranks`` output."""
     layout = merged["layout"]
@@ -111,13 +122,13 @@ def format_table(merged: dict[str, Any]) -> str:
         f"device {merged['device']}, dtype {merged['dtype']}, weight load {merged.get('strategy', 'full')}",
         "",
         f"{'component':<16}{'class':<28}{'files':>6}{'read':>12}{'params':>12}{'local':>12}"
-        f"{'lora keys':>10}  lora device",
+        f"{'lora targets':>13}  lora device",
     ]
     for c in merged["components"]:
         lines.append(
             f"{c['name']:<16}{c['class_name']:<28}{c['files']:>6}{_size(c['bytes_read']):>12}"
             f"{_size(c['param_bytes_total']):>12}{_size(c['param_bytes_local']):>12}"
-            f"{c['lora_keys_fused']:>10}  {c['lora_compute_device'] or '-'}"
+            f"{c['lora_keys_fused']:>13}  {c['lora_compute_device'] or '-'}"
         )
     lines += ["", "phase seconds: " + ", ".join(
         f"{p} {merged['seconds'][p]:.2f}" for p in PHASES if p in merged["seconds"])]

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
+from vllm_diffusion_plugin.engine.progress import progress_bar
+from vllm_diffusion_plugin.engine.report import human_count
 
 logger = init_logger(__name__)
 
@@ -155,8 +157,8 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
         _place_parameters(module, device=torch.device("meta"), dtype=dtype, keep_fp32=_fp32_module_names(cls))
     module.eval()
     n_params = sum(p.numel() for p in module.parameters())
-    logger.info("Built %s (%s, %.3fB parameters, %s) on %s from %s without initializing weights",
-                cls.__name__, source.name, n_params / 1e9, dtype, device, source.folder / "config.json")
+    logger.info("Built %s (%s, %s parameters, %s) on %s from %s without initializing weights",
+                cls.__name__, source.name, human_count(n_params), dtype, device, source.folder / "config.json")
     return module
 
 
@@ -190,13 +192,14 @@ def _write_json(path: Path, data: Any) -> None:
 
 def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], config: Mapping[str, Any] | None,
                    out_dir: str | os.PathLike, *, max_shard_size: int | str = "2GB",
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, progress: bool | None = None) -> Path:
     """Write a diffusers component folder (config.json + safetensors shards + index) atomically.
 
     ``config`` is the component's config (must carry ``_class_name``); None takes a diffusers module's
     own ``.config``. The state dict must be full (gathered) tensors. Shards follow diffusers' names and
     ``max_shard_size`` rule; an index is written even for a single shard. ``out_dir`` must not exist
-    unless ``overwrite``; on any failure no output folder (and no partial one) is left behind.
+    unless ``overwrite``; on any failure no output folder (and no partial one) is left behind. ``progress``:
+    a bar over the bytes written (``progress.progress_bar``).
     """
     out_dir = Path(out_dir)
     if isinstance(module_or_state_dict, nn.Module):
@@ -220,6 +223,7 @@ def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    bar = progress_bar(total=sum(t.nbytes for t in state.values()), desc=f"Saving {out_dir.name}", progress=progress)
     try:
         _write_json(tmp / "config.json", {k: v for k, v in dict(config).items() if k not in _CONFIG_DROP})
         for name, keys in split.filename_to_tensors.items():
@@ -227,6 +231,8 @@ def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
             save_file({key: state[key] for key in keys}, str(path), metadata={"format": "pt"})
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+            if bar is not None:
+                bar.update(sum(state[key].nbytes for key in keys))
         weight_map = {key: names[name] for key, name in split.tensor_to_filename.items()}
         _write_json(tmp / INDEX_NAME, {"metadata": dict(split.metadata), "weight_map": weight_map})
         if out_dir.exists():
@@ -239,6 +245,9 @@ def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if bar is not None:
+            bar.close()
     total = sum(t.nbytes for t in state.values())
     logger.info("Saved %d tensors (%.3f GB) of %s in %d shard(s) to %s", len(state), total / 1e9,
                 config["_class_name"], len(names), out_dir)

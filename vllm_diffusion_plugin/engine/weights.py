@@ -10,8 +10,6 @@ shape and dtype from the file headers *before* touching the module, so a mismatc
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,10 +20,10 @@ import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
+from vllm_diffusion_plugin.engine.progress import progress_bar
 
 logger = init_logger(__name__)
 
-PROGRESS_MIN_BYTES = 1 << 30
 """Show a progress bar by default only when a component is larger than this (1 GiB)."""
 _CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)  # vLLM default_loader: params the quant config builds
@@ -69,18 +67,8 @@ class LoadResult:
         return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else float("inf")
 
 
-def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
-
-
 def _progress_bar(source: ComponentSource, total: int, progress: bool | None):
-    show = (progress is True or (progress is None and total > PROGRESS_MIN_BYTES)) and _rank() == 0
-    if not show or not sys.stderr.isatty():
-        return None
-    from tqdm.auto import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"Loading {source.name}")
+    return progress_bar(total=total, desc=f"Loading {source.name}", progress=progress)
 
 
 def _open_pickle(file: Path) -> dict[str, torch.Tensor]:

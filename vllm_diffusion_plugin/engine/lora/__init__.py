@@ -32,13 +32,15 @@ from vllm_diffusion_plugin.engine.lora.fuse import (
     cpu_kernel,
     fuse_lora,
     fuse_lora_files,
+    fuse_prepared,
     fuse_weight_,
     resolve_compute_device,
     unfuse_lora,
 )
+from vllm_diffusion_plugin.engine.lora.prepare import NoLoraTargetsError, PreparedLora, prepare_lora_files
 
 __all__ = [
-    "FuseStats", "LoraDelta", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",
+    "FuseStats", "LoraDelta", "NoLoraTargetsError", "PreparedLora", "fuse_prepared", "prepare_lora_files", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",
     "NonFiniteFusionError", "NonFiniteLoraError", "PartialPackedLoraError", "PartiallyFusedError",
     "UnmatchedLoraKeysError", "UnsupportedLoraError", "cpu_kernel", "fuse_lora", "fuse_lora_files", "fuse_weight_",
     "load_lora", "load_lora_state_dict", "normalize_lora", "resolve_compute_device", "unfuse_lora",

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,13 +57,12 @@ import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine import platform
-from vllm_diffusion_plugin.engine.lora.normal import LoraDelta, normalize_lora
-from vllm_diffusion_plugin.engine.lora.peft import load_lora
+from vllm_diffusion_plugin.engine.lora.normal import LoraDelta
 
 logger = init_logger(__name__)
 
 __all__ = ["FuseStats", "LoraFusionError", "NonFiniteFusionError", "PartiallyFusedError", "cpu_kernel",
-           "fuse_lora", "fuse_lora_files", "fuse_weight_", "resolve_compute_device", "unfuse_lora"]
+           "fuse_lora", "fuse_lora_files", "fuse_prepared", "fuse_weight_", "resolve_compute_device", "unfuse_lora"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _CPU_CHUNK_BYTES = 5 << 20  # fp32 rows per CPU chunk: ~5 MiB stays cache-resident between addmm_ and check
@@ -374,7 +373,8 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
 
 
 def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
-                  check_finite: bool, log: bool = True) -> FuseStats:
+                  check_finite: bool, log: bool = True,
+                  on_target: Callable[[], object] | None = None) -> FuseStats:
     """The one loop behind ``fuse_lora`` (sign=+1) and ``unfuse_lora`` (sign=-1)."""
     start = time.perf_counter()
     if chunk_mb <= 0:
@@ -418,6 +418,8 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
                 if delta.bias_delta is not None:
                     _add_full(bias, delta.bias_delta, sign, f"{name}.bias")
                     params += 1
+                if on_target is not None:
+                    on_target()
             except PartiallyFusedError:
                 raise
             except Exception as exc:
@@ -436,11 +438,13 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
 
 
 def fuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
-              check_finite: bool = False, log: bool = True) -> FuseStats:
+              check_finite: bool = False, log: bool = True,
+              on_target: Callable[[], object] | None = None) -> FuseStats:
     """Add every delta to ``module``'s weights in place (see the module doc for the device rule and what
     ``check_finite`` adds to the integrity checks that always run). ``log=False``: the summary line goes to
-    DEBUG (callers fusing tensor by tensor log their own)."""
-    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, check_finite=check_finite, log=log)
+    DEBUG (callers fusing tensor by tensor log their own); ``on_target`` is called after each target (progress)."""
+    return _apply_deltas(module, deltas, sign=+1, chunk_mb=chunk_mb, check_finite=check_finite, log=log,
+                         on_target=on_target)
 
 
 def unfuse_lora(module: nn.Module, deltas: Mapping[str, LoraDelta], *, chunk_mb: int = 256,
@@ -458,22 +462,39 @@ def fuse_lora_files(
     packed_modules: Mapping[str, Sequence[str]] | None = None,
     check_finite: bool = False,
 ) -> FuseStats:
-    """Load, normalize and validate every LoRA file first, then fuse them one after the other."""
+    """Load, normalize and validate every LoRA file first (``prepare_lora_files``), then fuse them in order."""
+    from vllm_diffusion_plugin.engine.lora.prepare import prepare_lora_files
+
     items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
-    prepared = []
-    for path, scale in items:
-        lora = load_lora(path)
-        prepared.append((lora.path, normalize_lora(lora.state_dict, module, scale=scale, strict=strict,
-                                                   adapter_config=lora.adapter_config, packed_modules=packed_modules)))
+    return fuse_prepared(module, prepare_lora_files(module, items, strict=strict, packed_modules=packed_modules),
+                         chunk_mb=chunk_mb, check_finite=check_finite)
+
+
+def fuse_prepared(module: nn.Module, prepared: Sequence, *, chunk_mb: int = 256, check_finite: bool = False,
+                  progress: bool | None = None, name: str = "") -> FuseStats:
+    """Fuse already validated LoRA files (``prepare.PreparedLora``, in order) into ``module``; a progress bar
+    over targets per ``progress.progress_bar``."""
+    from vllm_diffusion_plugin.engine.progress import progress_bar
+
+    bar = progress_bar(total=sum(len(lora.deltas) for lora in prepared), unit="targets", progress=progress,
+                       desc=f"Fusing LoRA into {name or type(module).__name__}")
+    try:
+        return _fuse_in_order(module, prepared, chunk_mb, check_finite, bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _fuse_in_order(module: nn.Module, prepared: Sequence, chunk_mb: int, check_finite: bool, on_target) -> FuseStats:
     total = None
-    for i, (path, deltas) in enumerate(prepared):
+    for i, lora in enumerate(prepared):
         try:
-            stats = fuse_lora(module, deltas, chunk_mb=chunk_mb, check_finite=check_finite)
+            stats = fuse_lora(module, lora.deltas, chunk_mb=chunk_mb, check_finite=check_finite, on_target=on_target)
         except Exception as exc:
             if i == 0 or isinstance(exc, PartiallyFusedError):
                 raise
-            raise PartiallyFusedError(f"fusing {path} failed after {i} LoRA file(s) were fused ({exc}); the module "
-                                      f"is partially fused, abort the load") from exc
-        logger.info("Fused LoRA %s into %s (%d targets)", path, type(module).__name__, stats.targets)
+            raise PartiallyFusedError(f"fusing {lora.path} failed after {i} LoRA file(s) were fused ({exc}); the "
+                                      f"module is partially fused, abort the load") from exc
+        logger.info("Fused LoRA %s into %s (%d targets)", lora.path, type(module).__name__, stats.targets)
         total = stats if total is None else total + stats
     return total or FuseStats("cpu", None, 0, 0, 0, 0.0)

@@ -50,9 +50,17 @@ def load_lora(path: str | Path) -> LoraFile:
         file = path
         if path.name == "adapter_model.safetensors":  # a PEFT folder's file, named directly
             config_file = path.parent / "adapter_config.json"
-    with safe_open(str(file), framework="pt") as f:
-        state_dict = {key: f.get_tensor(key) for key in f.keys()}
-        metadata = f.metadata() or {}
+    from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, read_safetensors_header
+
+    try:
+        read_safetensors_header(file)  # a saved HTML page or a truncated download: one line naming the file
+        with safe_open(str(file), framework="pt") as f:
+            state_dict = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata() or {}
+    except CheckpointError as exc:
+        raise LoraFormatError(f"LoRA file {exc}") from exc
+    except Exception as exc:  # safetensors' own SafetensorError and I/O errors
+        raise LoraFormatError(f"LoRA file {file}: cannot read it as safetensors: {exc}") from exc
     config = None
     if config_file is not None and config_file.is_file():
         config = json.loads(config_file.read_text())

@@ -119,11 +119,6 @@ def normalize_lora_files(module: nn.Module, files: Sequence[tuple[str, float]], 
                          strict: bool) -> list[dict[str, Any]]:
     """Read and validate every LoRA file against ``module`` (a meta skeleton is enough); one delta dict per
     file, fused in this order. Nothing is touched."""
-    from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
 
-    out = []
-    for path, scale in files:
-        lora = load_lora(path)
-        out.append(normalize_lora(lora.state_dict, module, scale=scale, strict=strict,
-                                  adapter_config=lora.adapter_config))
-    return out
+    return [lora.deltas for lora in prepare_lora_files(module, files, strict=strict)]

@@ -15,7 +15,7 @@ from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadCont
 def load_full(source: ComponentSource, *, context: LoadContext,
               lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
     """Build the skeleton on the host, stream every weight into it, fuse LoRA on plain host tensors."""
-    from vllm_diffusion_plugin.engine.lora import fuse_lora_files
+    from vllm_diffusion_plugin.engine.lora import fuse_prepared, prepare_lora_files
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
@@ -28,7 +28,7 @@ def load_full(source: ComponentSource, *, context: LoadContext,
     stats = None
     if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
         with report.phase("lora"):
-            stats = fuse_lora_files(module, lora_files, strict=options.lora_strict,
-                                    chunk_mb=options.lora_device_chunk_mb,
-                                    check_finite=options.lora_check_finite)
+            stats = fuse_prepared(module, prepare_lora_files(module, lora_files, strict=options.lora_strict),
+                                  chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
+                                  progress=context.progress, name=source.name)
     return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)

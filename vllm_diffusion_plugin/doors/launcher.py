@@ -1,0 +1,130 @@
+"""Local ranks for the CLI: spawned, watched, stopped together; their errors come back as one line.
+
+``run_ranks`` starts ``world_size`` processes (``multiprocessing`` spawn: a fresh interpreter each) and waits.
+
+- A rank that raises writes its error as one line (``error_line``) to the work folder and exits 1; the
+  launcher then stops the other ranks and raises ``RankError`` with the earliest error written, the same text
+  the 1-rank path prints -- not ``ProcessRaisedException`` tracebacks.
+- The ranks ignore SIGINT (a Ctrl-C at a terminal reaches the whole process group): the launcher alone
+  handles it, and any exception in the launcher (``KeyboardInterrupt``, the CLI's SIGTERM exception) stops
+  every rank -- SIGTERM, then SIGKILL after a grace period -- before it propagates. A rank also dies with its
+  launcher (Linux ``PR_SET_PDEATHSIG``) should the launcher itself be killed outright.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import wait
+from pathlib import Path
+
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
+"""Errors about the input or the environment: their message is the whole story (no traceback)."""
+STOP_GRACE_S = 5.0
+
+
+class RankError(RuntimeError):
+    """A spawned rank failed; the message is the first error a rank raised, as the 1-rank path prints it."""
+
+
+def error_line(exc: BaseException) -> str:
+    """An error as one line: the message of errors about the input, ``Type: message`` for anything else."""
+    text = str(exc) if isinstance(exc, USER_ERRORS) else f"{type(exc).__name__}: {exc}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return " | ".join(line.strip() for line in lines) if lines else type(exc).__name__
+
+
+def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, args: Sequence = (),
+              verbose: bool = False) -> None:
+    """Run ``target(rank, world_size, workdir, *args)`` in ``world_size`` spawned processes; return when all
+    succeeded, raise ``RankError`` when one failed (after stopping the others)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs: list = []
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: the ranks ignore SIGINT
+    try:
+        for rank in range(world_size):
+            proc = ctx.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
+                               args=(target, rank, world_size, workdir, tuple(args), verbose, os.getpid()))
+            proc.start()
+            procs.append(proc)
+    except BaseException:
+        stop(procs)
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        _wait(procs, workdir)
+    finally:
+        stop(procs)
+
+
+def _wait(procs: list, workdir: Path) -> None:
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        failed = [p for p in procs if p.exitcode not in (None, 0)]
+        if failed:
+            raise RankError(_first_error(workdir) or ", ".join(
+                f"rank {procs.index(p)} exited with code {p.exitcode}" for p in failed))
+        if not alive:
+            return
+        wait([p.sentinel for p in alive], timeout=1.0)
+
+
+def _first_error(workdir: Path) -> str | None:
+    errors = []
+    for path in workdir.glob("error-rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # written while the rank was stopped
+    if not errors:
+        return None
+    return min(errors, key=lambda e: (e["time"], e["rank"]))["message"]  # the cause precedes its echoes
+
+
+def stop(procs: list) -> None:
+    """Stop every live process: SIGTERM, then SIGKILL for those still alive after ``STOP_GRACE_S``."""
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the launcher dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+    if os.getppid() != parent:  # the launcher died before the call above
+        os._exit(1)
+
+
+def _rank_entry(target, rank: int, world_size: int, workdir: Path, args: tuple, verbose: bool, parent: int) -> None:
+    _die_with_parent(parent)
+    try:
+        target(rank, world_size, workdir, *args)
+    except BaseException as exc:
+        if verbose:
+            import traceback
+            traceback.print_exc()
+        record = {"time": time.time(), "rank": rank, "message": error_line(exc)}
+        tmp = workdir / f".error-rank{rank}.json"
+        tmp.write_text(json.dumps(record))
+        tmp.rename(workdir / f"error-rank{rank}.json")
+        sys.stderr.flush()
+        os._exit(1)  # no atexit / process-group teardown that could block on dead peers
