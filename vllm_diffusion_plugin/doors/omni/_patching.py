@@ -79,13 +79,17 @@ def unavailable(unit_name: str, state: str) -> LoadFormatUnavailable:
         f"--load-format diffusion-hsdp.")
 
 
+def not_applied(unit_names: Iterable[str]) -> dict[str, str]:
+    """The named units that are not applied in this process, each with its state."""
+    current = status()
+    return {name: current.get(name, "not installed") for name in unit_names
+            if current.get(name) not in ("applied", "already applied")}
+
+
 def require_applied(unit_names: Iterable[str]) -> None:
     """Raise :class:`LoadFormatUnavailable` unless every named unit is applied in this process."""
-    current = status()
-    for name in unit_names:
-        state = current.get(name, "not installed")
-        if state not in ("applied", "already applied"):
-            raise unavailable(name, state)
+    for name, state in not_applied(unit_names).items():
+        raise unavailable(name, state)
 
 
 def omni_version() -> str:

@@ -191,9 +191,7 @@ def require_patches_applied() -> None:
     units = [importlib.import_module(f"vllm_diffusion_plugin.doors.omni.{name}") for name in PATCH_UNITS]
     for unit in units:
         importlib.import_module(unit.TARGET)
-    status = _patching.status()
-    missing = {unit.NAME: status.get(unit.NAME, "not installed") for unit in units
-               if status.get(unit.NAME) not in ("applied", "already applied")}
+    missing = _patching.not_applied(unit.NAME for unit in units)
     if missing:
         raise RuntimeError(f"vllm-omni {_patching.omni_version()}: the CPU platform needs its patch units, "
                            f"and these are not applied: {missing}. This vllm-omni is not one the CPU platform "
