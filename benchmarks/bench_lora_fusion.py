@@ -4,7 +4,7 @@ Shapes: one 5120x5120 and one 13824x5120 bf16 layer (Wan2.2 A14B attention and F
 and at all threads. Variants (each fuses ``W += s * B @ A`` into a bf16 weight in place):
 
 - ours: ``fuse_lora`` on the CPU path, with the kernel the code chooses (``cpu_kernel``) and its default
-  integrity checks (factors and overflow bound; ``lora.fuse``'s module doc);
+  integrity checks (factors and overflow bound; ``lora.weight``'s module doc);
 - ours (check_finite): the same with ``check_finite=True`` (every fused chunk checked: one extra pass);
 - floor: in-place ``W.addmm_(B, A, alpha=s)`` in bf16 (no checks; the fastest thing possible);
 - fp32-chunked: rows upcast into a reused fp32 buffer, ``addmm_``, written back (no checks);

@@ -24,6 +24,7 @@ from vllm_diffusion_plugin.engine.lora import (
     unfuse_lora,
 )
 from vllm_diffusion_plugin.engine.lora import fuse as fuse_mod
+from vllm_diffusion_plugin.engine.lora import weight as weight_mod
 from vllm_diffusion_plugin.testing.logs import captured_logs
 
 
@@ -241,14 +242,14 @@ def test_cpu_path_matches_float64_reference(no_accelerator, dtype):
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 def test_cpu_kernel_rule(no_accelerator, monkeypatch):
-    monkeypatch.setattr(fuse_mod, "_FAST_LOWP", {})
+    monkeypatch.setattr(weight_mod, "_FAST_LOWP", {})
     probes = []
 
     def probe(dtype):
         probes.append(dtype)
         return dtype == torch.bfloat16, 1.0, 1.0
 
-    monkeypatch.setattr(fuse_mod, "_lowp_gemm_is_fast", probe)
+    monkeypatch.setattr(weight_mod, "_lowp_gemm_is_fast", probe)
     assert fuse_mod.cpu_kernel(torch.float32) == "fp32-chunks" and probes == []  # fp32 never probes
     assert fuse_mod.cpu_kernel(torch.bfloat16) == "native"
     assert fuse_mod.cpu_kernel(torch.float16) == "fp32-chunks"
@@ -260,14 +261,14 @@ def test_cpu_kernel_rule(no_accelerator, monkeypatch):
 
 def test_cpu_kernel_probe_runs_and_restores_threads(no_accelerator):
     threads = torch.get_num_threads()
-    fast, low_ms, fp32_ms = fuse_mod._lowp_gemm_is_fast(torch.bfloat16)
+    fast, low_ms, fp32_ms = weight_mod._lowp_gemm_is_fast(torch.bfloat16)
     assert torch.get_num_threads() == threads
     assert low_ms > 0 and fp32_ms > 0 and fast == (low_ms <= 2 * fp32_ms)
 
 
 @pytest.mark.parametrize("kernel", ["native", "fp32-chunks"])
 def test_both_cpu_kernels_give_the_nearest_bf16(no_accelerator, monkeypatch, kernel):
-    monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: kernel)
+    monkeypatch.setattr(weight_mod, "cpu_kernel", lambda dtype: kernel)
     model = Blocks(dtype=torch.bfloat16)
     deltas = make_deltas(model, dtype=torch.bfloat16)
     ref = reference(model, deltas)
@@ -279,7 +280,7 @@ def test_both_cpu_kernels_give_the_nearest_bf16(no_accelerator, monkeypatch, ker
 
 
 def test_native_kernel_is_skipped_for_mixed_dtypes(no_accelerator, monkeypatch):
-    monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: "native")
+    monkeypatch.setattr(weight_mod, "cpu_kernel", lambda dtype: "native")
     model = Blocks(dtype=torch.bfloat16)
     deltas = make_deltas(model, dtype=torch.float32)  # fp32 factors: rounding them to bf16 would lose precision
     assert fuse_lora(model, deltas).cpu_kernel == "fp32-chunks"
@@ -287,7 +288,7 @@ def test_native_kernel_is_skipped_for_mixed_dtypes(no_accelerator, monkeypatch):
 
 def test_cpu_buffers_are_reused_across_weights(no_accelerator, monkeypatch):
     allocated = []
-    real_rows = fuse_mod._Workspace.rows
+    real_rows = weight_mod.Workspace.rows
 
     def rows(self, n, cols, dtype):
         before = {k: v.data_ptr() for k, v in self.buffers.items()}
@@ -295,7 +296,7 @@ def test_cpu_buffers_are_reused_across_weights(no_accelerator, monkeypatch):
         allocated.append(before.get(dtype) != self.buffers[dtype].data_ptr())
         return out
 
-    monkeypatch.setattr(fuse_mod._Workspace, "rows", rows)
+    monkeypatch.setattr(weight_mod.Workspace, "rows", rows)
     model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(20)))
     fuse_lora(model, make_deltas(model))
     assert len(allocated) == 20 and sum(allocated) == 1  # one buffer for the whole call
@@ -396,7 +397,7 @@ def test_overflow_of_a_bf16_delta_is_refused_before_writing(request, where, monk
     """Same dtype everywhere (the in-place fast paths), but the bound says the delta may overflow bf16."""
     if where == "cpu":
         monkeypatch.setattr(platform, "local_device", lambda: torch.device("cpu"))
-        monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: "native")
+        monkeypatch.setattr(weight_mod, "cpu_kernel", lambda dtype: "native")
     else:
         request.getfixturevalue("fake_accelerator")
     model = nn.Linear(8, 8, bias=False).bfloat16()
@@ -419,7 +420,7 @@ def test_failure_after_a_write_raises_partially_fused(no_accelerator):
 @pytest.mark.parametrize("kernel", ["native", "fp32-chunks"])
 def test_a_non_finite_base_weight_is_caught_by_check_finite_and_otherwise_stays_where_it_was(
         no_accelerator, monkeypatch, kernel):
-    monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: kernel)
+    monkeypatch.setattr(weight_mod, "cpu_kernel", lambda dtype: kernel)
     model = nn.Linear(8, 8, bias=False).bfloat16()
     with torch.no_grad():
         model.weight[3, 3] = float("nan")
@@ -447,7 +448,7 @@ def test_check_finite_catches_a_base_weight_that_overflows_with_a_bounded_delta(
     """|W| near the dtype's max counts as a bad base weight: only the full check sees it."""
     if where == "cpu":
         monkeypatch.setattr(platform, "local_device", lambda: torch.device("cpu"))
-        monkeypatch.setattr(fuse_mod, "cpu_kernel", lambda dtype: "fp32-chunks")  # checks before writing
+        monkeypatch.setattr(weight_mod, "cpu_kernel", lambda dtype: "fp32-chunks")  # checks before writing
     else:
         request.getfixturevalue("fake_accelerator")
     model = nn.Linear(8, 8, bias=False).half()
