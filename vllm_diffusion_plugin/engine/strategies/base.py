@@ -88,7 +88,7 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
         raise StrategyError(f"hsdp_weight_load must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "full":
         return strategy
-    concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s.name)]
+    concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s)]
     for source in concerned:
         cls = component_class(source)
         if callable(getattr(cls, "load_weights", None)):
