@@ -111,6 +111,21 @@ def test_zero_targets_in_the_vllm_door_fusion_and_lora_strict_false(tmp_path, ca
     assert any(str(foreign) in m and "fuses no target" in m for m in logs.messages(logging.WARNING))
 
 
+def test_zero_targets_in_the_vllm_omni_door_fusion(tiny_wan_dir, tmp_path):
+    """The vllm-omni door validates its LoRA files through the same rule before any base weight is read."""
+    from vllm_diffusion_plugin.doors.omni.load_path import lora_fuser
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.lora import NoLoraTargetsError
+
+    (source,) = resolve_checkpoint(tiny_wan_dir, components=["transformer"])
+    empty = tmp_path / "empty.safetensors"
+    save_file({}, str(empty))
+    with pytest.raises(NoLoraTargetsError, match=str(empty)):
+        lora_fuser(source, [(str(empty), 1.0)], dtype=torch.float32, strict=True, chunk_mb=64)
+    fuser = lora_fuser(source, [(str(empty), 1.0)], dtype=torch.float32, strict=False, chunk_mb=64)
+    assert fuser.deltas == [{}]
+
+
 # ---- 2. errors inside ranks ----------------------------------------------------------------------------
 @pytest.mark.multiproc
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host where --device cuda is not usable")

@@ -118,15 +118,11 @@ def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: t
     """Normalize and validate every LoRA file for ``source`` (before any weight is read)."""
     if not lora_files:
         return None
-    from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
+    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     skeleton = build_component(source, dtype=dtype, device="meta")
-    deltas = []
-    for path, scale in lora_files:
-        lora = load_lora(path)
-        deltas.append(normalize_lora(lora.state_dict, skeleton, scale=scale, strict=strict,
-                                     adapter_config=lora.adapter_config))
+    deltas = [lora.deltas for lora in prepare_lora_files(skeleton, lora_files, strict=strict)]
     return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
                        chunk_mb=chunk_mb, check_finite=check_finite)
 
