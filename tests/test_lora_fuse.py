@@ -392,6 +392,20 @@ def test_non_finite_lora_factors_are_refused_before_any_write(request, where, ba
     assert_bit_identical(model, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("special", [None, float("nan"), float("inf"), float("-inf"), -7.5])
+def test_cpu_factor_maxima_equal_the_inf_norm(dtype, special):
+    """The CPU's aminmax-based ``max|t|`` (not ``_foreach_norm``: slow there) agrees with the inf-norm,
+    NaN and +-inf included, so the integrity rule sees exactly what it saw before."""
+    gen = torch.Generator().manual_seed(0)
+    A, B = torch.randn(4, 48, generator=gen).to(dtype), torch.randn(80, 4, generator=gen).to(dtype)
+    if special is not None:
+        B[5, 2] = special
+    expected = [float(torch.linalg.vector_norm(t.double(), float("inf"))) for t in (A, B)]
+    got = weight_mod.factor_maxima([LoraDelta(A, B, 0.5)])[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), equal_nan=True, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("where", ["cpu", "accelerator"])
 def test_overflow_of_a_bf16_delta_is_refused_before_writing(request, where, monkeypatch):
     """Same dtype everywhere (the in-place fast paths), but the bound says the delta may overflow bf16."""

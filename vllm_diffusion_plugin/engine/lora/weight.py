@@ -144,16 +144,29 @@ def _finite(t: torch.Tensor, dst_dtype: torch.dtype) -> bool:
     return -limit <= low and high <= limit
 
 
+def _abs_maxima(factors: list[torch.Tensor], device: torch.device) -> list[float]:
+    """``max|t|`` of each tensor (NaN if it holds a NaN, inf if an inf), with one read-back.
+
+    On an accelerator one fused ``_foreach_norm`` (a single launch over every factor). On the CPU one
+    ``aminmax`` per factor instead: ``_foreach_norm(inf)`` takes a slow generic path there (1.7 ms for a
+    rank-64, 5120-wide bf16 pair vs 0.06 ms -- 20% of the in-place fusion of that 5120^2 layer)."""
+    if device.type != "cpu":
+        return torch.stack([m.float() for m in torch._foreach_norm(factors, math.inf)]).tolist()
+    ends = torch.stack([end.float() for t in factors
+                        for end in (torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(())))])
+    return torch.maximum(-ends[0::2], ends[1::2]).tolist()  # max(-min, max) = max|t|; NaN propagates
+
+
 def factor_maxima(deltas: Sequence[LoraDelta]) -> list[tuple[float, float]]:
-    """``(max|A|, max|B|)`` of every delta (NaN if any entry is NaN): one fused reduction and one read-back per
-    device, not two device syncs per target (400 of them would cost more than fusing on a GPU)."""
+    """``(max|A|, max|B|)`` of every delta (NaN if any entry is NaN): one read-back per device, not two device
+    syncs per target (400 of them would cost more than fusing on a GPU)."""
     by_device: dict[torch.device, list[int]] = {}
     for i, delta in enumerate(deltas):
         by_device.setdefault(delta.A.device, []).append(i)
     maxima: list[tuple[float, float]] = [(0.0, 0.0)] * len(deltas)
     for device, indices in by_device.items():
         factors = [t for i in indices for t in (deltas[i].A, deltas[i].B.to(device))]
-        values = torch.stack([m.float() for m in torch._foreach_norm(factors, math.inf)]).tolist()
+        values = _abs_maxima(factors, device)
         for k, i in enumerate(indices):
             maxima[i] = (values[2 * k], values[2 * k + 1])
     return maxima
