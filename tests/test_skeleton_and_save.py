@@ -100,6 +100,40 @@ def test_build_component_does_not_random_init(tiny_checkpoint_factory, kind):
     assert all(not b.is_meta for b in skeleton.buffers())
 
 
+def test_skeleton_is_constructed_on_one_thread_and_the_count_is_restored(tiny_wan_dir, monkeypatch):
+    """Construction computes only small buffers: one intra-op thread (no pool wake-ups on a busy host);
+    the caller's thread count is back afterwards, also when construction fails."""
+    import diffusers
+
+    from vllm_diffusion_plugin.engine import skeleton
+
+    seen = []
+    real = diffusers.WanTransformer3DModel
+
+    class Probe(real):
+        @classmethod
+        def from_config(cls, config, **kwargs):
+            seen.append(torch.get_num_threads())
+            if config.get("fail"):
+                raise RuntimeError("boom")
+            return real.from_config(config, **kwargs)
+
+    monkeypatch.setattr(skeleton, "component_class", lambda source: Probe)
+    source = resolve_component(tiny_wan_dir / "transformer")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        build_component(source, dtype=torch.float32, device="cpu")
+        assert seen == [1] and torch.get_num_threads() == 2
+        broken = copy.copy(source)
+        object.__setattr__(broken, "config", {**source.config, "fail": True})
+        with pytest.raises(CheckpointError, match="boom"):
+            build_component(broken, dtype=torch.float32, device="cpu")
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_build_on_the_fake_accelerator(tiny_wan_dir, fake_accelerator):
     import diffusers
 

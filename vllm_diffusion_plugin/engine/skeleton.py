@@ -69,6 +69,23 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Construct on one intra-op thread: a skeleton's only real tensors are small buffers (Wan's rotary tables:
+    ~10 ops on 1024 x 44 float64), too small for two threads to help, and each parallel op waits for every
+    thread of the pool. On a host whose other cores are busy a descheduled pool thread turned the 2.6 GB
+    Wan-width skeleton's 11 ms into 0.08-0.2 s (spin-waiting, in CPU time too). Restored afterwards."""
+    previous = torch.get_num_threads()
+    if previous == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """While active, every parameter a module registers is moved to ``meta``; buffers stay real.
 
@@ -145,7 +162,7 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
     """
     cls = component_class(source)
     config = dict(source.config)
-    with _default_dtype(dtype), parameters_on_meta():
+    with _default_dtype(dtype), parameters_on_meta(), _one_intra_op_thread():
         try:
             module = cls.from_config(config)
         except Exception as exc:
