@@ -31,6 +31,9 @@ def test_demo_runs_offline_and_fuses_loras():
     assert [c["name"] for c in report["components"]] == ["transformer", "transformer_2"]
     assert all(c["lora_keys_fused"] > 0 and c["files"] >= 3 for c in report["components"])
     assert report["bytes_read"] > 0 and report["seconds"]["total"] > 0
+    # the launching process's phases too, so that what is outside reading and fusing shows (issue #15)
+    assert {"imports", "demo_write", "validate", "wall"} <= report["seconds"].keys()
+    assert report["seconds"]["wall"] >= report["seconds"]["imports"] + report["seconds"]["total"]
 
 
 def test_load_json_fuse_and_save_fused_round_trips_through_diffusers(tiny_wan_dir, tmp_path):

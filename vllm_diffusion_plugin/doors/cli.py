@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -129,7 +130,9 @@ def run_load(args: argparse.Namespace) -> dict:
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    started = time.perf_counter()
     sources = _validate(args, world_size)
+    validate = time.perf_counter() - started
     writes = args.save_fused is not None and (not under_torchrun or os.environ["RANK"] == "0")
     staging = Staging.create(args.save_fused, flag="--save-fused") if writes else None
     try:
@@ -140,6 +143,7 @@ def run_load(args: argparse.Namespace) -> dict:
             merged = _run_spawned(args, world_size, out_dir)
         if staging:
             staging.commit(sources, checkpoint=args.checkpoint)
+        merged["seconds"] = {"validate": validate, **merged["seconds"]}
         return merged
     finally:
         if staging:
@@ -217,16 +221,20 @@ def run_demo(args: argparse.Namespace) -> dict:
     from vllm_diffusion_plugin.testing.tiny_models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
     with tempfile.TemporaryDirectory(prefix="vllm-diffusion-demo-") as tmp:
+        started = time.perf_counter()
         root = args.keep or Path(tmp)
         checkpoint = write_tiny_pipeline(root / "Wan2.2-tiny", "wan")
         loras = [str(write_tiny_lora(root / f"lora_{name}.safetensors", build_tiny_model("wan", seed=i), seed=i))
                  for i, name in enumerate(PIPELINES["wan"][2])]
+        written = time.perf_counter() - started
         print(f"demo checkpoint: {checkpoint} (+ {len(loras)} LoRA files)", file=sys.stderr)
         load_args = _parser().parse_args(["load", str(checkpoint), "--dtype", "float32", "--device", "cpu",
                                           "--nproc", str(args.nproc), *(f"--lora={p}" for p in loras),
                                           *(["--json"] if args.json else []),
                                           *(["--verbose"] if args.verbose else [])])
-        return run_load(load_args)
+        merged = run_load(load_args)
+        merged["seconds"] = {"demo_write": written, **merged["seconds"]}
+        return merged
 
 
 def _missing_cli_extra() -> str | None:
@@ -238,18 +246,63 @@ def _missing_cli_extra() -> str | None:
     return None
 
 
+def _import_named_classes(checkpoint: str, components: list[str] | None) -> None:
+    """Import the diffusers classes a local checkpoint names for the components validation will look at (all of
+    ``model_index.json``'s, or ``components``; a component folder's ``config.json`` class): validation and the
+    skeletons import exactly these anyway -- diffusers' model modules pull in peft, transformers and more, seconds
+    on a small host -- so the report shows them as ``imports``, not as ``validate``. Problems are left to
+    validation, which names them."""
+    import diffusers
+
+    folder = Path(checkpoint)
+    try:
+        if (folder / "model_index.json").is_file():
+            entries = json.loads((folder / "model_index.json").read_text())
+            entries = {k: v for k, v in entries.items() if components is None or k in components}
+        else:
+            entries = {"": ["diffusers", json.loads((folder / "config.json").read_text()).get("_class_name")]}
+    except (OSError, ValueError, AttributeError):
+        return
+    for value in entries.values():
+        if isinstance(value, list) and len(value) == 2 and value[0] == "diffusers" and isinstance(value[1], str):
+            try:
+                getattr(diffusers, value[1])
+            except Exception:  # unknown or broken class: validation reports it
+                pass
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux: its start time in ``/proc/self/stat`` against the boot-time
+    clock, 10 ms resolution), None where that is not available."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def _raise_on_signal(signum, frame):
     raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; the report's ``seconds`` add the launching process's phases to the ranks' (``report.PHASES``):
+    ``startup`` (process start to here: the interpreter and the CLI's own imports), ``imports`` (torch, diffusers
+    and the diffusers classes the checkpoint names, which a diffusers ``from_pretrained`` needs as well),
+    ``demo_write``, ``validate`` and ``wall`` (process start to the report)."""
+    started, age = time.perf_counter(), _process_age()
     # Logs go to stderr so that --json output on stdout stays parseable.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
     from vllm_diffusion_plugin.doors.noise import quiet_third_party
 
     quiet_third_party(verbose=args.verbose)
+    imports_started = time.perf_counter()
     missing = _missing_cli_extra()
+    if missing is None and args.command == "load":
+        _import_named_classes(args.checkpoint, args.components)
+    imports = time.perf_counter() - imports_started
     if missing:
         print(f"vllm-diffusion: error: {missing}", file=sys.stderr)
         return 1
@@ -274,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     from vllm_diffusion_plugin.engine.report import format_table
 
+    before_main = {"startup": age} if age is not None else {}
+    merged["seconds"] = {**before_main, "imports": imports, **merged["seconds"],
+                         "wall": (age or 0.0) + time.perf_counter() - started}
     print(json.dumps(merged, indent=2) if args.json else format_table(merged))
     return 0
 

@@ -14,7 +14,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PHASES = ("resolve", "build", "read", "broadcast", "lora", "postprocess", "shard", "save", "total")
+PHASES = ("startup", "imports", "demo_write", "validate", "resolve", "build", "read", "broadcast", "lora",
+          "postprocess", "shard", "save", "total", "wall")
+"""Report order. ``resolve`` .. ``save`` are the ranks' load steps and ``total`` their sum (``load_components``);
+the CLI adds its launching process's ``startup`` (process start to ``main``), ``imports`` (torch, diffusers and
+the diffusers classes the checkpoint names), ``demo_write`` (the demo's tiny checkpoint), ``validate`` (its checks
+before any rank starts) and ``wall`` (process start to the report)."""
 
 
 def peak_rss_bytes() -> int:
