@@ -143,8 +143,8 @@ def timed(fn, repeats: int, device: torch.device) -> list[float]:
 
 
 FRESH = ("ours_mapped", "ours_mapped_touched", "ours_copied", "diffusers", "diffusers_touched", "safetensors_load_file")
-"""``--fresh`` (CPU): each variant builds + reads the checkpoint in a fresh process (imports done before the clock
-starts; warm page cache). ``ours_mapped`` is what the pipeline does (``map_private``: weights view a copy-on-write
+"""``--fresh`` (CPU): each variant resolves, builds + reads the checkpoint in a fresh process (imports done before the
+clock starts; warm page cache). ``ours_mapped`` is what the pipeline does (``map_private``: weights view a copy-on-write
 mapping), ``ours_copied`` copies into fresh storage; ``*_touched`` reads one element per page afterwards (one
 thread)."""
 
@@ -154,12 +154,12 @@ def fresh_child(variant: str, folder: Path) -> float:
     from safetensors.torch import load_file
 
     from vllm_diffusion_plugin.engine.checkpoint import resolve_component
-    from vllm_diffusion_plugin.engine.skeleton import build_component, component_class
+    from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
-    source = resolve_component(folder)
-    component_class(source), diffusers.WanTransformer3DModel  # diffusers imports its models lazily: not timed
+    diffusers.WanTransformer3DModel  # diffusers imports its model classes lazily: not timed
     start = time.perf_counter()
+    source = resolve_component(folder)  # timed: diffusers' from_pretrained reads its config and index too
     if variant.startswith("ours"):
         module = build_component(source, dtype=DTYPE, device="cpu")
         load_into_module(module, source=source, progress=False, map_private=variant.startswith("ours_mapped"))
