@@ -100,6 +100,40 @@ def test_build_component_does_not_random_init(tiny_checkpoint_factory, kind):
     assert all(not b.is_meta for b in skeleton.buffers())
 
 
+def test_init_functions_skip_meta_parameters_but_still_fill_buffers():
+    """Under ``parameters_on_meta`` ``nn.init`` returns meta tensors untouched (no decomposition calls) and still
+    initializes real tensors (a buffer a class fills with ``nn.init``); the functions are restored afterwards."""
+    from torch import nn
+
+    from vllm_diffusion_plugin.engine.skeleton import parameters_on_meta
+
+    class Module(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+            gen = torch.Generator().manual_seed(0)
+            self.register_buffer("table", nn.init.normal_(torch.empty(3, 5), generator=gen))
+
+    class RandomOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.on = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if re.search(r"uniform|normal", func.overloadpacket.__name__):
+                self.on.append(out.device.type)
+            return out
+
+    before = {name: getattr(nn.init, name) for name in ("normal_", "kaiming_uniform_", "uniform_")}
+    with parameters_on_meta(), RandomOps() as ops:
+        module = Module()
+    assert module.lin.weight.is_meta and module.lin.bias.is_meta
+    assert torch.equal(module.table, torch.empty(3, 5).normal_(generator=torch.Generator().manual_seed(0)))
+    assert ops.on == ["cpu"]  # the buffer's draw only; none for the meta parameters (kaiming/uniform skipped)
+    assert {name: getattr(nn.init, name) for name in before} == before
+
+
 def test_skeleton_is_constructed_on_one_thread_and_the_count_is_restored(tiny_wan_dir, monkeypatch):
     """Construction computes only small buffers: one intra-op thread (no pool wake-ups on a busy host);
     the caller's thread count is back afterwards, also when construction fails."""
