@@ -152,9 +152,11 @@ def _abs_maxima(factors: list[torch.Tensor], device: torch.device) -> list[float
     rank-64, 5120-wide bf16 pair vs 0.06 ms -- 20% of the in-place fusion of that 5120^2 layer)."""
     if device.type != "cpu":
         return torch.stack([m.float() for m in torch._foreach_norm(factors, math.inf)]).tolist()
-    ends = torch.stack([end.float() for t in factors
-                        for end in (torch.aminmax(t) if t.numel() else (t.new_zeros(()), t.new_zeros(())))])
-    return torch.maximum(-ends[0::2], ends[1::2]).tolist()  # max(-min, max) = max|t|; NaN propagates
+    values = []
+    for t in factors:  # read back per factor: a CPU read-back is no sync, and stacking costs more ops than it saves
+        low, high = (end.item() for end in torch.aminmax(t)) if t.numel() else (0.0, 0.0)
+        values.append(math.nan if math.isnan(low) or math.isnan(high) else max(-low, high))
+    return values
 
 
 def factor_maxima(deltas: Sequence[LoraDelta]) -> list[tuple[float, float]]:
