@@ -114,8 +114,8 @@ def floor_load(module: torch.nn.Module, source) -> None:
 
 def touch_every_page(module: torch.nn.Module) -> float:
     """Read one element per 4 KiB page of every parameter (forces lazily mapped weights in), on one intra-op
-    thread: the page faults are what is measured, not the wake-ups of a thread pool whose other thread may be
-    descheduled on a busy 2-core host (0.01 s vs 0.1 s for the same 2.6 GB, for every variant alike)."""
+    thread: the page faults are what is measured, for every variant alike, not the wake-ups of a thread pool
+    whose other thread may be descheduled on a busy 2-core host (that made the touched figures vary 10x)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
