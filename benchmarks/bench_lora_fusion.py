@@ -9,7 +9,7 @@ and at all threads. Variants (each fuses ``W += s * B @ A`` into a bf16 weight i
 - floor: in-place ``W.addmm_(B, A, alpha=s)`` in bf16 (no checks; the fastest thing possible);
 - fp32-chunked: rows upcast into a reused fp32 buffer, ``addmm_``, written back (no checks);
 - peft-style: fresh fp32 temporaries, ``W.data = (W.float() + (B.float() @ A.float()) * s).to(bf16)`` (on a copy
-  of the layer, so that every other variant fuses into the same storage, touched alike);
+  of the layer, so that every other variant fuses into the same storage, touched alike; timed in its own rounds);
 - no-onednn bf16: ``W.addmm_`` with ``torch.backends.mkldnn.flags(enabled=False)``, standing in for a host
   without fast bf16 GEMM kernels (the 22 min/transformer Kunpeng case); timed once on a row subset and
   scaled to the full layer (it is ~100x slower);
@@ -17,7 +17,8 @@ and at all threads. Variants (each fuses ``W += s * B @ A`` into a bf16 weight i
 
 Goals (PASS/FAIL): ours <= 1.1x the unchecked floor -- the faster of bf16 ``addmm_`` and fp32-chunked, since a
 CPU without fast bf16 GEMM kernels (no AVX512-BF16/AMX) runs the fp32 path; ours >= 15x faster than peft-style; under no-onednn,
-ours >= 20x faster than the slow bf16 path. Whole-transformer figures: 320 layers of 5120^2 + 80 of
+ours >= 20x faster than the slow bf16 path. Every timed call starts from cold caches (``best_seconds``), as
+when a load fuses one layer after another. Whole-transformer figures: 320 layers of 5120^2 + 80 of
 13824x5120 (Wan2.2 A14B). Usage: ``python benchmarks/bench_lora_fusion.py [--threads 1,all] [--json]``.
 """
 
