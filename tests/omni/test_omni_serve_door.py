@@ -86,8 +86,8 @@ def test_without_our_units_the_flag_is_dropped(omni):
 @pytest.mark.parametrize(("options", "error", "match"), [
     ({"lora_paths": ["x"]}, ValueError, r"Unknown key\(s\) 'lora_paths' in --additional-config diffusion_hsdp"),
     ({"lora_scale": "high"}, TypeError, r"--additional-config diffusion_hsdp key 'lora_scale' must be a number"),
-    ({"hsdp_weight_load": "rank_local"}, ValueError, r"hsdp_weight_load='rank_local' is not available under "
-                                                     r"vllm-omni"),
+    ({"hsdp_weight_load": "pre_sharded"}, ValueError, r"hsdp_weight_load must be one of full, broadcast, "
+                                                      r"rank_local"),
     ({"hsdp_block_pattern": "blocks"}, ValueError, r"key 'hsdp_block_pattern' .* has no effect under vllm-omni"),
     ({"lora_path": "transformer=/nonexistent/high.safetensors"}, FileNotFoundError,
      r"LoRA file /nonexistent/high.safetensors does not exist"),
@@ -105,6 +105,10 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
         stage_fields(load_format=FLAG, enable_layerwise_offload=True)
     with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's --diffusion-load-format diffusers"):
         stage_fields(load_format=FLAG, diffusion_load_format="diffusers")
+    with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's quantization 'fp8' with "
+                                         "hsdp_weight_load='rank_local'"):
+        stage_fields(load_format=FLAG, quantization="fp8",
+                     additional_config={"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})
 
 
 def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
@@ -112,6 +116,7 @@ def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
 
     assert weight_load_strategy(omni_options({}), {"enable_broadcast_weight_load": True}) == "broadcast"
     assert weight_load_strategy(omni_options({}), {}) == "full"
+    assert weight_load_strategy(omni_options({}), {"hsdp_weight_load_strategy": "pre_sharded"}) == "rank_local"
     ours = omni_options({"diffusion_hsdp": {"hsdp_weight_load": "broadcast"}})
     assert weight_load_strategy(ours, {}) == "broadcast"
 
