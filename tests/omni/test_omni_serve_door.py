@@ -147,6 +147,19 @@ def test_an_unrecognized_shape_stops_startup_only_when_the_flag_was_given(omni, 
         stage_fields(load_format=FLAG)
 
 
+def test_the_flag_is_found_in_a_vllm_config_file_too(tmp_path):
+    """``vllm serve --config FILE`` (vLLM expands the YAML into arguments): the flag there counts as given."""
+    ours, other, broken = tmp_path / "ours.yaml", tmp_path / "other.yaml", tmp_path / "broken.yaml"
+    ours.write_text(f"model: /m\nomni: true\nload-format: {FLAG}\n")
+    other.write_text("model: /m\nload_format: auto\n")
+    broken.write_text("model: [unclosed\n")
+    assert _patching.load_format_requested(["vllm", "serve", "--config", str(ours)])
+    assert _patching.load_format_requested(["vllm", "serve", f"--config={ours}"])
+    assert not _patching.load_format_requested(["vllm", "serve", "--config", str(other)])
+    assert not _patching.load_format_requested(["vllm", "serve", "--config", str(broken)])
+    assert not _patching.load_format_requested(["vllm", "serve", "--config", str(tmp_path / "missing.yaml")])
+
+
 # --- 3. vllm-omni's Wan2.2 pipeline loads its DiTs through our path ----------------------------------------
 @contextmanager
 def cpu_platform():
