@@ -15,10 +15,8 @@ from __future__ import annotations
 import glob
 import inspect
 import logging
-import socket
 import sys
 import types
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,12 +29,6 @@ from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_ti
 import_omni()  # skips this module where vllm-omni is not installed
 
 FLAG = "diffusion-hsdp"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stage_fields(**engine_args):
@@ -161,49 +153,6 @@ def test_the_flag_is_found_in_a_vllm_config_file_too(tmp_path):
 
 
 # --- 3. vllm-omni's Wan2.2 pipeline loads its DiTs through our path ----------------------------------------
-@contextmanager
-def cpu_platform():
-    """vllm-omni's CPU platform (ours, ``VLLM_DIFFUSION_OMNI_CPU=1``) in this process: vllm-omni resolves its
-    platform once and modules hold it as a global, so the instance is swapped in every ``vllm_omni`` module."""
-    import vllm_omni.platforms as omni_platforms
-
-    old = omni_platforms.current_omni_platform
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")
-        omni_platforms._current_omni_platform = None
-        new = omni_platforms.current_omni_platform
-        assert type(new).__name__ == "CpuOmniPlatform", type(new)
-        _patching.rebind(old, new)
-        try:
-            yield new
-        finally:
-            _patching.rebind(new, old)
-            omni_platforms._current_omni_platform = old
-
-
-@pytest.fixture(scope="module")
-def omni_world(omni):
-    """vllm-omni's parallel state for one in-process gloo rank on the CPU platform (what a DiffusionWorker sets
-    up before it loads)."""
-    import torch.distributed as dist
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm_omni.diffusion.distributed import parallel_state
-
-    config = VllmConfig()
-    method = f"tcp://127.0.0.1:{free_port()}"
-    with cpu_platform(), set_current_vllm_config(config):
-        dist.init_process_group("gloo", init_method=method, world_size=1, rank=0)
-        parallel_state.init_distributed_environment(world_size=1, rank=0, distributed_init_method=method,
-                                                    local_rank=0, backend="gloo")
-        parallel_state.initialize_model_parallel(backend="gloo")
-        try:
-            yield config
-        finally:
-            parallel_state.destroy_distributed_env()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def wan22(tmp_path_factory):
     """A runnable tiny Wan2.2 folder (two DiTs, >= 3 shards each) and one diffusers LoRA per DiT."""
