@@ -298,3 +298,11 @@ def test_several_loras_for_one_dit_stack(omni_world, wan22):
         if name != "scale_shift_table":
             got = omni_view(model.transformer, name, rows=want.shape[0]).double()
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_rank_local_on_one_rank_reads_everything_with_full(omni_world, wan22):
+    """One unsharded rank has no rows to split: rank_local loads with full and the report says so."""
+    model, logs = load_wan22(omni_world, wan22.root, load_format=FLAG,
+                             additional_config={"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})
+    reports = [m for m in logs.messages(logging.INFO) if m.startswith("diffusion-hsdp load report:")]
+    assert len(reports) == 2 and all(" strategy=full " in m for m in reports), reports

@@ -137,6 +137,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     """Every check that needs no weights; the strategy set on the loader's own copy of ``od_config``."""
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
     from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, weight_load_strategy
+    from vllm_diffusion_plugin.engine.pipeline import World
 
     options = omni_load_options(loader)
     od_config = loader.od_config
@@ -147,6 +148,9 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
                          f"itself, dummy weights read nothing) is not carried: drop one of them")
     _refuse_checkpoint_quantization(loader.quant_config)
     strategy = weight_load_strategy(options, od_config)
+    if strategy != "full" and World.current().world_size == 1:
+        logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
+        strategy = "full"
     if bool(getattr(od_config, "enable_broadcast_weight_load", False)) != (strategy == "broadcast"):
         loader.od_config = copy.copy(od_config)
         loader.od_config.enable_broadcast_weight_load = strategy == "broadcast"
