@@ -19,6 +19,7 @@ import pytest
 from omni_support import import_omni
 
 from vllm_diffusion_plugin.doors.omni import _patching
+from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 
 @pytest.fixture(scope="session")
@@ -80,3 +81,12 @@ def omni_world(omni):
             parallel_state.destroy_distributed_env()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    """A runnable tiny Wan2.2 folder (two DiTs, >= 3 shards each) and one diffusers LoRA per DiT."""
+    root = write_tiny_pipeline(tmp_path_factory.mktemp("wan22"), "wan", runnable=True)
+    high = write_tiny_lora(root.parent / "high.safetensors", build_tiny_model("wan", seed=0), seed=1)
+    low = write_tiny_lora(root.parent / "low.safetensors", build_tiny_model("wan", seed=1), seed=2)
+    return types.SimpleNamespace(root=root, high=high, low=low)

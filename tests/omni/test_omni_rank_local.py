@@ -25,7 +25,6 @@ import torch
 from omni_support import import_omni
 from torch import nn
 
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -82,14 +81,6 @@ def rank_worker(rank: int, world_size: int, root: str, high: str, low: str) -> d
                 out[strategy]["params"][component] = params
         del model
     return out
-
-
-@pytest.fixture(scope="module")
-def wan22(tmp_path_factory):
-    root = write_tiny_pipeline(tmp_path_factory.mktemp("wan22"), "wan", runnable=True)
-    high = write_tiny_lora(root.parent / "high.safetensors", build_tiny_model("wan", seed=0), seed=1)
-    low = write_tiny_lora(root.parent / "low.safetensors", build_tiny_model("wan", seed=1), seed=2)
-    return types.SimpleNamespace(root=root, high=high, low=low)
 
 
 def dit_tensor_bytes(folder: Path) -> int:

@@ -24,7 +24,6 @@ import torch
 from omni_support import captured_logs, import_omni
 
 from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -153,15 +152,6 @@ def test_the_flag_is_found_in_a_vllm_config_file_too(tmp_path):
 
 
 # --- 3. vllm-omni's Wan2.2 pipeline loads its DiTs through our path ----------------------------------------
-@pytest.fixture(scope="module")
-def wan22(tmp_path_factory):
-    """A runnable tiny Wan2.2 folder (two DiTs, >= 3 shards each) and one diffusers LoRA per DiT."""
-    root = write_tiny_pipeline(tmp_path_factory.mktemp("wan22"), "wan", runnable=True)
-    high = write_tiny_lora(root.parent / "high.safetensors", build_tiny_model("wan", seed=0), seed=1)
-    low = write_tiny_lora(root.parent / "low.safetensors", build_tiny_model("wan", seed=1), seed=2)
-    return types.SimpleNamespace(root=root, high=high, low=low)
-
-
 def load_wan22(world, root: Path, **fields):
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.forward_context import set_forward_context
