@@ -112,3 +112,36 @@ def test_a_model_that_cannot_run_on_meta_is_refused_naming_it():
 
     with pytest.raises(TraceError, match=r"DataDependent\.load_weights cannot run on meta tensors"):
         trace_bindings(DataDependent(), [dit_source()])
+
+
+# ---- reading bound rows: several checkpoint tensors into one stacked target ------------------------------
+def test_bound_rows_of_several_tensors_fill_one_stacked_target_exactly(tmp_path, monkeypatch, capsys):
+    """``read_bound_rows`` on a real diffusers checkpoint: the q/k/v weights of block 0 read into one stacked
+    (3N, C) target, a bias into a bigger target at an offset; bytes counted once, the bar shows them all."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.strategies.rank_local import read_bound_rows
+    from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+
+    root = write_tiny_pipeline(tmp_path, "wan")
+    source = resolve_checkpoint(root, components=["transformer"])[0]
+    state = {}
+    for file in source.files:
+        state.update(load_file(str(file)))
+    parts = [f"blocks.0.attn1.to_{p}.weight" for p in "qkv"]
+    rows = state[parts[0]].shape[0]
+    stacked = torch.full((3 * rows, state[parts[0]].shape[1]), float("nan"))
+    bias = torch.full((rows + 5,), float("nan"))
+    bindings = [RowBinding(key, "stacked", i * rows, 0, rows) for i, key in enumerate(parts)]
+    bindings.append(RowBinding("blocks.0.attn1.to_q.bias", "bias", 5, 0, rows))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    keys, stats = read_bound_rows(source, bindings, {"stacked": stacked, "bias": bias}, progress=True)
+    assert keys == {*parts, "blocks.0.attn1.to_q.bias"}
+    torch.testing.assert_close(stacked, torch.cat([state[k] for k in parts]), rtol=0, atol=0)
+    torch.testing.assert_close(bias[5:], state["blocks.0.attn1.to_q.bias"], rtol=0, atol=0)
+    assert bias[:5].isnan().all()  # rows no binding covers are left alone
+    assert stats.total_bytes == stacked.nbytes + rows * 4
+    assert "Loading transformer (own rows)" in capsys.readouterr().err

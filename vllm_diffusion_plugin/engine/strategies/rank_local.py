@@ -105,15 +105,16 @@ def _bound_local_rows(binding: RowBinding, target: torch.Tensor):
 
 
 def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
-                    targets: Mapping[str, torch.Tensor]):
+                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None):
     """Read this rank's rows of every bound checkpoint tensor into its targets; returns (keys read, stats).
+    ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
     it is read with ``pread`` straight into the local shard's storage when dtype and device allow, else into
     a host buffer of those rows that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache
     is not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
     """
-    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.engine.progress import progress_bar
     from vllm_diffusion_plugin.engine.weights import LoadStats
 
     stats, loaded = LoadStats(), set()
@@ -123,43 +124,60 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
     by_key: dict[str, list[RowBinding]] = {}
     for binding in bindings:
         by_key.setdefault(binding.key, []).append(binding)
-    with torch.no_grad():
-        for file in source.files:
-            keys = [k for k in source.keys_in(file) if k in by_key]
-            if not keys:
-                continue
-            header = read_safetensors_header(file)
-            changed = [k for k in keys if header.get(k) != source.tensors[k]]
-            if changed:
-                raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
-            with open(file, "rb") as f:
-                data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-                for key in keys:
-                    info = source.tensors[key]
-                    row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
-                    for binding in by_key[key]:
-                        found = _bound_local_rows(binding, targets[binding.target])
-                        if found is None:
-                            continue
-                        dst, key_row = found
-                        if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
-                            raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
-                                                  f"{binding.target} rows {tuple(dst.shape)}")
-                        nbytes = dst.numel() * info.dtype.itemsize
-                        if nbytes:
-                            direct = dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous()
-                            buffer = dst if direct else torch.empty(dst.shape, dtype=info.dtype)
-                            _pread_into(f.fileno(), data_start + info.offset + key_row * row_bytes, buffer, file)
-                            if not direct:
-                                dst.copy_(buffer)
-                            stats.add(file, nbytes)
-                    loaded.add(key)
+    mine = sum(found[0].numel() * source.tensors[b.key].dtype.itemsize for b in bindings if b.key in source.tensors
+               and (found := _bound_local_rows(b, targets[b.target])) is not None)
+    bar = progress_bar(total=mine, desc=f"Loading {source.name} (own rows)", progress=progress)
+    try:
+        with torch.no_grad():
+            for file in source.files:
+                keys = [k for k in source.keys_in(file) if k in by_key]
+                if keys:
+                    _read_file_rows(source, file, keys, by_key, targets, stats, bar)
+                    loaded.update(keys)
+    finally:
+        if bar is not None:
+            bar.close()
     return loaded, stats
 
 
-def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
+def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_key: Mapping[str, list[RowBinding]],
+                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any) -> None:
+    """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
+    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+
+    header = read_safetensors_header(file)
+    changed = [k for k in keys if header.get(k) != source.tensors[k]]
+    if changed:
+        raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+    with open(file, "rb") as f:
+        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+        for key in keys:
+            info = source.tensors[key]
+            row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+            for binding in by_key[key]:
+                found = _bound_local_rows(binding, targets[binding.target])
+                if found is None:
+                    continue
+                dst, key_row = found
+                if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
+                    raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
+                                          f"{binding.target} rows {tuple(dst.shape)}")
+                nbytes = dst.numel() * info.dtype.itemsize
+                if not nbytes:
+                    continue
+                direct = dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous()
+                buffer = dst if direct else torch.empty(dst.shape, dtype=info.dtype)
+                _pread_into(f.fileno(), data_start + info.offset + key_row * row_bytes, buffer, file)
+                if not direct:
+                    dst.copy_(buffer)
+                stats.add(file, nbytes)
+                if bar is not None:
+                    bar.update(nbytes)
+
+
+def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None):
     """This rank's rows of every checkpoint tensor named like a target (a diffusers module's state dict)."""
-    return read_bound_rows(source, identity_bindings(source.tensors, targets), targets)
+    return read_bound_rows(source, identity_bindings(source.tensors, targets), targets, progress=progress)
 
 
 class LocalShards(nn.Module):
@@ -272,7 +290,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
                      origin=origin)  # headers only
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets)
+        loaded, stats = _read_local_rows(source, targets, context.progress)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "
