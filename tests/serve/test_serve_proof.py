@@ -13,7 +13,8 @@ Servers start one at a time, in this order (each stopped before the next starts)
 4. ours at 2 ranks (``--use-hsdp --hsdp-shard-size 2``) once per ``hsdp_weight_load``: ``full`` (each rank reads
    every DiT byte), ``broadcast`` (rank 0 reads, rank 1 reads nothing), ``rank_local`` (each rank reads only its
    own rows, q/k/v stacked by vllm-omni included: the two ranks' bytes add up to the DiT bytes once);
-5. a bad ``diffusion_hsdp`` key: the server must exit non-zero, naming the key.
+5. a bad ``diffusion_hsdp`` key: the server must exit non-zero, naming the key -- given on the command line, and
+   in a ``--config`` YAML file together with ``load-format: diffusion-hsdp``.
 
 Tolerance (in 8-bit levels of the decoded frames): ``MAX_MEAN_ABS`` on the mean and ``MAX_ABS`` on the largest
 pixel difference. Why these: our fusion and diffusers' are the same fp32 math up to summation order (relative
@@ -169,3 +170,17 @@ def test_bad_option_key_refuses_to_start(proof):
     print(f"\n[bad-key] exit status {status} after {seconds:.1f} s", flush=True)
     assert status != 0
     assert "lora_pathz" in log, f"the refusal does not name the bad key; log {proof.logs / 'bad-key.log'}"
+
+
+def test_the_flag_in_a_config_file_is_honoured_too(proof):
+    """``vllm serve DIR --omni --config FILE`` with ``load-format: diffusion-hsdp`` in the YAML file: our door is
+    on (a bad ``diffusion_hsdp`` key there stops the server naming it, as on the command line)."""
+    config = proof.root / "serve-config.yaml"
+    bad = json.dumps({"diffusion_hsdp": {"lora_pathz": [str(proof.ckpt.lora_high)]}})
+    config.write_text(f"load-format: diffusion-hsdp\nadditional-config: '{bad}'\n")
+    status, log, seconds = sp.refused_start(sp.ServerSpec("config-file", proof.ckpt.original, plugin=True, args=(
+        "--config", str(config))), proof.logs, cpu=CPU)
+    proof.summary["servers"]["config-file"] = {"exit_status": status, "refused_after_s": round(seconds, 1)}
+    assert status != 0
+    assert "Unknown key(s) 'lora_pathz'" in log, f"the YAML's load format did not reach the door; log " \
+                                                  f"{proof.logs / 'config-file.log'}"
