@@ -33,7 +33,7 @@ if not path.exists():
     print(f"omni-serve: no summary at {path}")
     raise SystemExit
 s = json.loads(path.read_text())
-print(f"omni-serve: checkpoints built in {s.get('build_s')} s; DiT shards {s.get('dit_bytes')} bytes; "
+print(f"omni-serve: checkpoints built in {s.get('build_s')} s; DiT tensors {s.get('dit_bytes')} bytes; "
       f"tolerance {s.get('tolerance')}")
 for name, server in s.get("servers", {}).items():
     print(f"omni-serve: server {name:<24} {server}")

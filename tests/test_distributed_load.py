@@ -162,8 +162,8 @@ def uncovered_tensor_is_named(checkpoint: str) -> str:
 
     real = rank_local._read_local_rows
 
-    def skipping(source, targets):
-        loaded, stats = real(source, targets)
+    def skipping(source, targets, *args):
+        loaded, stats = real(source, targets, *args)
         return loaded - {"blocks.1.ffn.net.2.bias"}, stats
 
     rank_local._read_local_rows = skipping

@@ -10,10 +10,16 @@ into an error, so the omni stage can never pass by skipping everything.
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 import types
+from contextlib import contextmanager
 
 import pytest
 from omni_support import import_omni
+
+from vllm_diffusion_plugin.doors.omni import _patching
+from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +37,56 @@ def omni() -> types.SimpleNamespace:
     assert {name: status.get(name) for name in units} == dict.fromkeys(units, "applied"), status
     return types.SimpleNamespace(version=vllm_omni.__version__, loader_mod=loader_mod, lora_mod=lora_mod,
                                  Loader=loader_mod.DiffusersPipelineLoader)
+
+
+@contextmanager
+def cpu_platform():
+    """vllm-omni's CPU platform (ours, ``VLLM_DIFFUSION_OMNI_CPU=1``) in this process: vllm-omni resolves its
+    platform once and modules hold it as a global, so the instance is swapped in every ``vllm_omni`` module."""
+    import vllm_omni.platforms as omni_platforms
+
+    old = omni_platforms.current_omni_platform
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")
+        omni_platforms._current_omni_platform = None
+        new = omni_platforms.current_omni_platform
+        assert type(new).__name__ == "CpuOmniPlatform", type(new)
+        _patching.rebind(old, new)
+        try:
+            yield new
+        finally:
+            _patching.rebind(new, old)
+            omni_platforms._current_omni_platform = old
+
+
+@pytest.fixture(scope="module")
+def omni_world(omni):
+    """vllm-omni's parallel state for one in-process gloo rank on the CPU platform (what a DiffusionWorker sets
+    up before it loads)."""
+    import torch.distributed as dist
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm_omni.diffusion.distributed import parallel_state
+
+    config = VllmConfig()
+    # a fresh file store, not a TCP port picked free and bound later (another process can take it in between)
+    method = "file://" + os.path.join(tempfile.mkdtemp(prefix="omni-world-"), "store")
+    with cpu_platform(), set_current_vllm_config(config):
+        dist.init_process_group("gloo", init_method=method, world_size=1, rank=0)
+        parallel_state.init_distributed_environment(world_size=1, rank=0, distributed_init_method=method,
+                                                    local_rank=0, backend="gloo")
+        parallel_state.initialize_model_parallel(backend="gloo")
+        try:
+            yield config
+        finally:
+            parallel_state.destroy_distributed_env()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory):
+    """A runnable tiny Wan2.2 folder (two DiTs, >= 3 shards each) and one diffusers LoRA per DiT."""
+    root = write_tiny_pipeline(tmp_path_factory.mktemp("wan22"), "wan", runnable=True)
+    high = write_tiny_lora(root.parent / "high.safetensors", build_tiny_model("wan", seed=0), seed=1)
+    low = write_tiny_lora(root.parent / "low.safetensors", build_tiny_model("wan", seed=1), seed=2)
+    return types.SimpleNamespace(root=root, high=high, low=low)

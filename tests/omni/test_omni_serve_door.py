@@ -15,10 +15,8 @@ from __future__ import annotations
 import glob
 import inspect
 import logging
-import socket
 import sys
 import types
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,17 +24,10 @@ import torch
 from omni_support import captured_logs, import_omni
 
 from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 
 FLAG = "diffusion-hsdp"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stage_fields(**engine_args):
@@ -86,8 +77,8 @@ def test_without_our_units_the_flag_is_dropped(omni):
 @pytest.mark.parametrize(("options", "error", "match"), [
     ({"lora_paths": ["x"]}, ValueError, r"Unknown key\(s\) 'lora_paths' in --additional-config diffusion_hsdp"),
     ({"lora_scale": "high"}, TypeError, r"--additional-config diffusion_hsdp key 'lora_scale' must be a number"),
-    ({"hsdp_weight_load": "rank_local"}, ValueError, r"hsdp_weight_load='rank_local' is not available under "
-                                                     r"vllm-omni"),
+    ({"hsdp_weight_load": "pre_sharded"}, ValueError, r"hsdp_weight_load must be one of full, broadcast, "
+                                                      r"rank_local"),
     ({"hsdp_block_pattern": "blocks"}, ValueError, r"key 'hsdp_block_pattern' .* has no effect under vllm-omni"),
     ({"lora_path": "transformer=/nonexistent/high.safetensors"}, FileNotFoundError,
      r"LoRA file /nonexistent/high.safetensors does not exist"),
@@ -105,6 +96,10 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
         stage_fields(load_format=FLAG, enable_layerwise_offload=True)
     with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's --diffusion-load-format diffusers"):
         stage_fields(load_format=FLAG, diffusion_load_format="diffusers")
+    with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's quantization 'fp8' with "
+                                         "hsdp_weight_load='rank_local'"):
+        stage_fields(load_format=FLAG, quantization="fp8",
+                     additional_config={"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})
 
 
 def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
@@ -112,6 +107,7 @@ def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
 
     assert weight_load_strategy(omni_options({}), {"enable_broadcast_weight_load": True}) == "broadcast"
     assert weight_load_strategy(omni_options({}), {}) == "full"
+    assert weight_load_strategy(omni_options({}), {"hsdp_weight_load_strategy": "pre_sharded"}) == "rank_local"
     ours = omni_options({"diffusion_hsdp": {"hsdp_weight_load": "broadcast"}})
     assert weight_load_strategy(ours, {}) == "broadcast"
 
@@ -142,59 +138,20 @@ def test_an_unrecognized_shape_stops_startup_only_when_the_flag_was_given(omni, 
         stage_fields(load_format=FLAG)
 
 
+def test_the_flag_is_found_in_a_vllm_config_file_too(tmp_path):
+    """``vllm serve --config FILE`` (vLLM expands the YAML into arguments): the flag there counts as given."""
+    ours, other, broken = tmp_path / "ours.yaml", tmp_path / "other.yaml", tmp_path / "broken.yaml"
+    ours.write_text(f"model: /m\nomni: true\nload-format: {FLAG}\n")
+    other.write_text("model: /m\nload_format: auto\n")
+    broken.write_text("model: [unclosed\n")
+    assert _patching.load_format_requested(["vllm", "serve", "--config", str(ours)])
+    assert _patching.load_format_requested(["vllm", "serve", f"--config={ours}"])
+    assert not _patching.load_format_requested(["vllm", "serve", "--config", str(other)])
+    assert not _patching.load_format_requested(["vllm", "serve", "--config", str(broken)])
+    assert not _patching.load_format_requested(["vllm", "serve", "--config", str(tmp_path / "missing.yaml")])
+
+
 # --- 3. vllm-omni's Wan2.2 pipeline loads its DiTs through our path ----------------------------------------
-@contextmanager
-def cpu_platform():
-    """vllm-omni's CPU platform (ours, ``VLLM_DIFFUSION_OMNI_CPU=1``) in this process: vllm-omni resolves its
-    platform once and modules hold it as a global, so the instance is swapped in every ``vllm_omni`` module."""
-    import vllm_omni.platforms as omni_platforms
-
-    old = omni_platforms.current_omni_platform
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")
-        omni_platforms._current_omni_platform = None
-        new = omni_platforms.current_omni_platform
-        assert type(new).__name__ == "CpuOmniPlatform", type(new)
-        _patching.rebind(old, new)
-        try:
-            yield new
-        finally:
-            _patching.rebind(new, old)
-            omni_platforms._current_omni_platform = old
-
-
-@pytest.fixture(scope="module")
-def omni_world(omni):
-    """vllm-omni's parallel state for one in-process gloo rank on the CPU platform (what a DiffusionWorker sets
-    up before it loads)."""
-    import torch.distributed as dist
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm_omni.diffusion.distributed import parallel_state
-
-    config = VllmConfig()
-    method = f"tcp://127.0.0.1:{free_port()}"
-    with cpu_platform(), set_current_vllm_config(config):
-        dist.init_process_group("gloo", init_method=method, world_size=1, rank=0)
-        parallel_state.init_distributed_environment(world_size=1, rank=0, distributed_init_method=method,
-                                                    local_rank=0, backend="gloo")
-        parallel_state.initialize_model_parallel(backend="gloo")
-        try:
-            yield config
-        finally:
-            parallel_state.destroy_distributed_env()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def wan22(tmp_path_factory):
-    """A runnable tiny Wan2.2 folder (two DiTs, >= 3 shards each) and one diffusers LoRA per DiT."""
-    root = write_tiny_pipeline(tmp_path_factory.mktemp("wan22"), "wan", runnable=True)
-    high = write_tiny_lora(root.parent / "high.safetensors", build_tiny_model("wan", seed=0), seed=1)
-    low = write_tiny_lora(root.parent / "low.safetensors", build_tiny_model("wan", seed=1), seed=2)
-    return types.SimpleNamespace(root=root, high=high, low=low)
-
-
 def load_wan22(world, root: Path, **fields):
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.forward_context import set_forward_context
@@ -331,3 +288,11 @@ def test_several_loras_for_one_dit_stack(omni_world, wan22):
         if name != "scale_shift_table":
             got = omni_view(model.transformer, name, rows=want.shape[0]).double()
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_rank_local_on_one_rank_reads_everything_with_full(omni_world, wan22):
+    """One unsharded rank has no rows to split: rank_local loads with full and the report says so."""
+    model, logs = load_wan22(omni_world, wan22.root, load_format=FLAG,
+                             additional_config={"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})
+    reports = [m for m in logs.messages(logging.INFO) if m.startswith("diffusion-hsdp load report:")]
+    assert len(reports) == 2 and all(" strategy=full " in m for m in reports), reports

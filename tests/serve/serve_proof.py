@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -341,9 +342,14 @@ def bytes_per_rank(reports: list[dict[str, str]]) -> dict[int, int]:
 
 
 def dit_bytes(checkpoint: Path) -> int:
-    """Bytes of the DiT shards (transformer + transformer_2) in ``checkpoint``."""
-    return sum(p.stat().st_size for sub in ("transformer", "transformer_2")
-               for p in (checkpoint / sub).glob("*.safetensors"))
+    """Tensor bytes of the DiT shards (transformer + transformer_2) in ``checkpoint``: each file's size less its
+    safetensors header (what reading every tensor once reads)."""
+    total = 0
+    for path in (checkpoint / sub / name for sub in ("transformer", "transformer_2")
+                 for name in os.listdir(checkpoint / sub) if name.endswith(".safetensors")):
+        with open(path, "rb") as f:
+            total += path.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]
+    return total
 
 
 def write_summary(path: Path, summary: dict) -> None:

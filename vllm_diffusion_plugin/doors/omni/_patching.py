@@ -56,19 +56,43 @@ class LoadFormatUnavailable(RuntimeError):
 
 
 def load_format_requested(argv: Sequence[str] | None = None) -> bool:
-    """Whether the command line (default ``sys.argv``; spawned workers inherit it) asks for our load format."""
+    """Whether the command line (default ``sys.argv``; spawned workers inherit it) asks for our load format:
+    ``--load-format diffusion-hsdp``, or ``load-format: diffusion-hsdp`` in the YAML file of vLLM's
+    ``--config FILE`` (which vLLM expands into the same arguments)."""
     from vllm_diffusion_plugin import LOAD_FORMAT
 
     argv = list(sys.argv if argv is None else argv)
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
-        if flag.replace("_", "-") != "--load-format":
+        flag = flag.replace("_", "-")
+        if flag not in ("--load-format", "--config"):
             continue
         if not eq:
             value = argv[i + 1] if i + 1 < len(argv) else ""
-        if value.lower() == LOAD_FORMAT:
+        if flag == "--config":
+            value = _config_file_load_format(value)
+        if str(value).lower() == LOAD_FORMAT:
             return True
     return False
+
+
+def _config_file_load_format(path: str) -> str:
+    """``load-format`` (or ``load_format``) from a vLLM ``--config`` YAML file; "" when absent or unreadable
+    (vLLM reports an unreadable file itself)."""
+    try:
+        import yaml
+
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except (OSError, ImportError, UnicodeDecodeError):
+        return ""
+    except Exception as exc:  # yaml.YAMLError: a malformed file, which vLLM's own parser reports
+        if type(exc).__module__.startswith("yaml"):
+            return ""
+        raise
+    if not isinstance(config, dict):
+        return ""
+    return str(config.get("load-format", config.get("load_format", "")) or "")
 
 
 def unavailable(unit_name: str, state: str) -> LoadFormatUnavailable:

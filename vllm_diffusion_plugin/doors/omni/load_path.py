@@ -48,6 +48,13 @@ class ComponentLoadReport:
     lora_device: str = "-"
     lora_fallbacks: int = 0
 
+    def record_lora(self, stats: Any, seconds: float) -> None:
+        """What fusing this component's LoRA files did (``FuseStats`` or None when nothing was fused here)."""
+        self.lora_s = seconds
+        if stats is not None:
+            self.lora_targets, self.lora_device, self.lora_fallbacks = (stats.targets, stats.compute_device,
+                                                                        stats.fallbacks)
+
     def line(self) -> str:
         return (f"{REPORT_PREFIX} component={self.component} rank={self.rank} world_size={self.world_size} "
                 f"strategy={self.strategy} bytes_read={self.bytes_read} tensors={self.tensors} "
@@ -169,11 +176,7 @@ def stream(dits: Iterable[DitSource]) -> Iterator[tuple[str, torch.Tensor]]:
         dit.report.bytes_read, dit.report.tensors = stats.total_bytes, stats.tensors
         if dit.fuser is not None:
             dit.fuser.check_consumed(dit.component)
-            dit.report.lora_s = dit.fuser.seconds
-            if dit.fuser.stats is not None:
-                dit.report.lora_targets = dit.fuser.stats.targets
-                dit.report.lora_device = dit.fuser.stats.compute_device
-                dit.report.lora_fallbacks = dit.fuser.stats.fallbacks
+            dit.report.record_lora(dit.fuser.stats, dit.fuser.seconds)
         dit.report.read_s = time.perf_counter() - start - dit.report.lora_s
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import time
 from typing import Any
 
@@ -58,7 +59,14 @@ TARGET = "vllm_omni.diffusion.model_loader.diffusers_loader"
 REQUIRED_BY_LOAD_FORMAT = True
 LOAD_MODEL_PARAMS = ("self", "load_device", "load_format", "custom_pipeline_name", "device")
 LOAD_WEIGHTS_KWARGS = ("stream_online_quant_to_cpu", "sources", "planned_weights")
-HELPERS = ("_get_weight_sources", "_get_expected_parameter_names", "_get_checkpoint_adapter")
+HELPERS = ("_get_weight_sources", "_get_expected_parameter_names", "_get_checkpoint_adapter",
+           "_init_from_load_format", "_process_weights_after_loading")
+LOAD_HSDP_PARAMS = ("self", "target_device", "load_format", "custom_pipeline_name")
+RANK_LOCAL_NEEDS = {
+    "vllm_omni.diffusion.distributed.hsdp": ("HSDPInferenceConfig", "apply_hsdp_to_model"),
+    "vllm_omni.diffusion.offloader.module_collector": ("ModuleDiscovery",),
+}
+"""What ``rank_local.load_model`` uses of vllm-omni besides the loader's own methods."""
 QUANT_SCALE_SUFFIXES = (".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale")
 STATE_ATTR = "_diffusion_hsdp_state"
 CARRIED_PIPELINE_FORMATS = (None, "default", "custom_pipeline")
@@ -69,9 +77,15 @@ CARRIED_PIPELINE_FORMATS = (None, "default", "custom_pipeline")
 def apply(module: Any) -> str:
     where = f"{module.__name__}.DiffusersPipelineLoader"
     cls = require_attr(module, "DiffusersPipelineLoader", module.__name__)
-    init, load_model, load_weights = (require_attr(cls, n, where) for n in ("__init__", "load_model", "load_weights"))
+    init, load_model, load_weights, load_hsdp = (require_attr(cls, n, where) for n in (
+        "__init__", "load_model", "load_weights", "_load_model_with_hsdp"))
     if is_patched(init) and is_patched(load_weights):
         return "already applied"
+    require_params(load_hsdp, LOAD_HSDP_PARAMS, f"{where}._load_model_with_hsdp")
+    for target, names in RANK_LOCAL_NEEDS.items():
+        found = importlib.import_module(target)
+        for name in names:
+            require_attr(found, name, target)
     require_params(init, ("self", "load_config", "od_config"), f"{where}.__init__")
     require_params(load_model, LOAD_MODEL_PARAMS, f"{where}.load_model")
     signature = require_params(load_weights, ("self", "model"), f"{where}.load_weights")
@@ -83,6 +97,7 @@ def apply(module: Any) -> str:
     cls.__init__ = mark(_wrap_init(init), unit=NAME, original=init)
     cls.load_model = mark(_wrap_load_model(load_model), unit=NAME, original=load_model)
     cls.load_weights = mark(_wrap_load_weights(load_weights), unit=NAME, original=load_weights)
+    cls._load_model_with_hsdp = mark(_wrap_load_model_with_hsdp(load_hsdp), unit=NAME, original=load_hsdp)
     return "applied"
 
 
@@ -122,6 +137,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     """Every check that needs no weights; the strategy set on the loader's own copy of ``od_config``."""
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
     from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, weight_load_strategy
+    from vllm_diffusion_plugin.engine.pipeline import World
 
     options = omni_load_options(loader)
     od_config = loader.od_config
@@ -132,6 +148,9 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
                          f"itself, dummy weights read nothing) is not carried: drop one of them")
     _refuse_checkpoint_quantization(loader.quant_config)
     strategy = weight_load_strategy(options, od_config)
+    if strategy != "full" and World.current().world_size == 1:
+        logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
+        strategy = "full"
     if bool(getattr(od_config, "enable_broadcast_weight_load", False)) != (strategy == "broadcast"):
         loader.od_config = copy.copy(od_config)
         loader.od_config.enable_broadcast_weight_load = strategy == "broadcast"
@@ -167,8 +186,9 @@ def _wrap_load_weights(original):
     return load_weights
 
 
-def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_cpu: bool = False) -> None:
-    """``load_path`` for ``model``'s DiT sources (see the module docstring)."""
+def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
+    """``model``'s DiT sources resolved by us (strict manifests), their LoRA files validated against each DiT's
+    diffusers skeleton, one report each: ``load_path.DitSource`` per source. Nothing is read."""
     from vllm_diffusion_plugin.doors.omni import load_path
     from vllm_diffusion_plugin.engine.pipeline import World
 
@@ -196,6 +216,14 @@ def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_c
                                      check_finite=options.lora_check_finite)
         dits.append(load_path.DitSource(name, s.prefix, source, fuser, report))
         state["reports"][name] = report
+    return dits
+
+
+def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_cpu: bool = False) -> None:
+    """``load_path`` for ``model``'s DiT sources (see the module docstring)."""
+    from vllm_diffusion_plugin.doors.omni import load_path
+
+    dits = prepare_dits(loader, model, sources)
     expected = loader._get_expected_parameter_names(model)
     weights = load_path.stream(dits)
     if stream_online_quant_to_cpu:
@@ -203,8 +231,30 @@ def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_c
     loaded = model.load_weights(weights)
     load_path.check_loaded(model, expected, None if loaded is None else set(loaded),
                            quantized=loader.quant_config is not None, exempt_suffixes=QUANT_SCALE_SUFFIXES)
+    _mark_fused(loader, model)
+
+
+def _mark_fused(loader: Any, model: Any) -> None:
     if _omni_distill_loras(loader.od_config):
-        model.lora_is_fused = True  # fused above with our rule; vllm-omni must not fuse them again
+        model.lora_is_fused = True  # fused with our rule; vllm-omni must not fuse them again
+
+
+def _wrap_load_model_with_hsdp(original):
+    @functools.wraps(original)
+    def _load_model_with_hsdp(self, target_device, load_format="default", custom_pipeline_name=None, *args,
+                              **kwargs):
+        from vllm_diffusion_plugin.doors.omni import rank_local
+        from vllm_diffusion_plugin.doors.omni.patch_load_format import uses_diffusion_hsdp
+
+        state = getattr(self, STATE_ATTR, None)
+        if not uses_diffusion_hsdp(self) or state is None or state["strategy"] != "rank_local":
+            return original(self, target_device, load_format, custom_pipeline_name, *args, **kwargs)
+        model = rank_local.load_model(self, functools.partial(prepare_dits, self), target_device=target_device,
+                                      load_format=load_format, custom_pipeline_name=custom_pipeline_name)
+        _mark_fused(self, model)
+        return model
+
+    return _load_model_with_hsdp
 
 
 def _omni_distill_loras(od_config: Any) -> list[str]:

@@ -30,9 +30,6 @@ UNSUPPORTED_KEYS = {
 }
 """Keys with no effect under vllm-omni: a non-default value is an error naming the key and why."""
 
-STRATEGIES = ("full", "broadcast")
-"""``hsdp_weight_load`` values this door carries (``rank_local``: see :func:`refusals`)."""
-
 OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload", "enable_distributed_layerwise_offload")
 
 
@@ -71,11 +68,16 @@ def carried(od_config: Any) -> bool:
 
 
 def weight_load_strategy(options: Any, od_config: Any) -> str:
-    """Ours (``hsdp_weight_load``), except that the default ``full`` gives way to vllm-omni's own
-    ``--enable-broadcast-weight-load`` (which means ``broadcast``)."""
-    if options.hsdp_weight_load == "full" and bool(_get(od_config, "enable_broadcast_weight_load", False)):
+    """Ours (``hsdp_weight_load``), except that the default ``full`` gives way to vllm-omni's own switches:
+    ``--enable-broadcast-weight-load`` means ``broadcast``; ``hsdp_weight_load_strategy=pre_sharded`` (vllm-omni
+    after 0.30: meta-first shards, each rank reads its slices) means ``rank_local``."""
+    if options.hsdp_weight_load != "full":
+        return options.hsdp_weight_load
+    if bool(_get(od_config, "enable_broadcast_weight_load", False)):
         return "broadcast"
-    return options.hsdp_weight_load
+    if _get(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
+        return "rank_local"
+    return "full"
 
 
 def refusals(options: Any, od_config: Any) -> list[str]:
@@ -84,10 +86,11 @@ def refusals(options: Any, od_config: Any) -> list[str]:
     ``od_config`` is vllm-omni's ``OmniDiffusionConfig`` or the mapping of its fields (API server)."""
     problems = []
     strategy = weight_load_strategy(options, od_config)
-    if strategy not in STRATEGIES:
-        problems.append(f"hsdp_weight_load={strategy!r} is not available under vllm-omni yet (its DiTs stack "
-                        f"q/k/v into one parameter, so a rank's rows span several checkpoint tensors); use "
-                        f"{' or '.join(map(repr, STRATEGIES))}")
+    quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
+    if strategy == "rank_local" and quantization:
+        problems.append(f"vllm-omni's quantization {_quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
+                        f"(the DiTs are sharded before any weight exists; online quantization needs whole "
+                        f"weights: use 'full')")
     for name in OFFLOAD_FIELDS:
         if _get(od_config, name, False):
             problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")
@@ -108,6 +111,14 @@ def check_supported(options: Any, od_config: Any) -> None:
     if problems:
         raise ValueError("--load-format diffusion-hsdp under vllm-omni cannot be combined with: "
                          + "; ".join(problems) + ". Drop them or serve without --load-format diffusion-hsdp")
+
+
+def _quant_name(quantization: Any) -> str:
+    if isinstance(quantization, str):
+        return quantization
+    if isinstance(quantization, Mapping):
+        return str(quantization.get("method") or quantization.get("quant_method") or dict(quantization))
+    return quantization.get_name() if hasattr(quantization, "get_name") else type(quantization).__name__
 
 
 def _get(config: Any, name: str, default: Any) -> Any:

@@ -5,6 +5,10 @@ reads its own rows of every tensor straight into FSDP's local storage (a row ran
 range -- what safetensors ``get_slice`` reads for a row slice -- read with ``pread`` into the shard, ~1/S of the
 checkpoint per rank, nothing memory-mapped); LoRA deltas are fused shard-locally, ``B[rows] @ A`` per rank, so
 no rank ever holds a full-size weight or delta. Other components (VAE, encoders) load with ``full``.
+
+Reads and fusion go through :class:`RowBinding` (rows of a checkpoint tensor -> rows of a target): a diffusers
+module binds each key to itself whole (:func:`identity_bindings`); vllm-omni's DiTs, which stack q/k/v into one
+parameter, bind several keys into one target (``doors/omni/rank_local.py`` learns them).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,49 +72,112 @@ def _pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
         done += n
 
 
-def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor]):
-    """Read this rank's rows of every checkpoint tensor that has a target; returns (keys loaded, stats).
+@dataclass(frozen=True)
+class RowBinding:
+    """Rows ``[start, start + rows)`` of the target tensor ``target`` hold rows ``[key_start, key_start + rows)``
+    of the checkpoint tensor ``key`` (``rows=None``: all of its rows). A diffusers module's parameter is bound
+    to its own key whole; a stacked parameter (vllm-omni's ``to_qkv``) has one binding per checkpoint tensor."""
+
+    key: str
+    target: str
+    start: int = 0
+    key_start: int = 0
+    rows: int | None = None
+    """None: from ``start`` to the target's last row (a binding of a whole tensor)."""
+
+
+def identity_bindings(keys: Iterable[str], targets: Mapping[str, torch.Tensor]) -> list[RowBinding]:
+    """Each checkpoint key that names a target, bound to it whole (a diffusers module: names are keys)."""
+    return [RowBinding(key, key) for key in keys if key in targets]
+
+
+def _bound_local_rows(binding: RowBinding, target: torch.Tensor):
+    """``(local view, first key row)`` of the rows of ``binding`` this rank holds, or None when it holds none.
+    A 0-dim target is one row."""
+    local, first, end = local_rows(binding.target, target)
+    if local.dim() == 0:
+        return local, 0
+    rows = target.shape[0] - binding.start if binding.rows is None else binding.rows
+    lo, hi = max(first, binding.start), min(end, binding.start + rows)
+    if hi <= lo:
+        return None
+    return local[lo - first:hi - first], binding.key_start + lo - binding.start
+
+
+def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
+                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None):
+    """Read this rank's rows of every bound checkpoint tensor into its targets; returns (keys read, stats).
+    ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
     it is read with ``pread`` straight into the local shard's storage when dtype and device allow, else into
-    a row-sized host buffer that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache is
-    not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
+    a host buffer of those rows that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache
+    is not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
     """
-    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.engine.progress import progress_bar
     from vllm_diffusion_plugin.engine.weights import LoadStats
 
     stats, loaded = LoadStats(), set()
     if sys.byteorder != "little":
         raise CheckpointError(f"{source.folder}: rank_local reads little-endian safetensors bytes directly; this "
                               f"host is big-endian (use hsdp_weight_load=broadcast)")
-    with torch.no_grad():
-        for file in source.files:
-            keys = [k for k in source.keys_in(file) if k in targets]
-            if not keys:
-                continue
-            header = read_safetensors_header(file)
-            changed = [k for k in keys if header.get(k) != source.tensors[k]]
-            if changed:
-                raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
-            with open(file, "rb") as f:
-                data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-                for key in keys:
-                    info = source.tensors[key]
-                    local, start, stop = local_rows(key, targets[key])
-                    if local.dim() == 0:
-                        start, stop, row_bytes = 0, 1, info.nbytes
-                    else:
-                        row_bytes = info.nbytes // max(1, info.shape[0])
-                    if stop > start and row_bytes:
-                        direct = (local.dtype == info.dtype and local.device.type == "cpu"
-                                  and local.is_contiguous())
-                        dst = local if direct else torch.empty(local.shape, dtype=info.dtype)
-                        _pread_into(f.fileno(), data_start + info.offset + start * row_bytes, dst, file)
-                        if not direct:
-                            local.copy_(dst)
-                        stats.add(file, (stop - start) * row_bytes)
-                    loaded.add(key)
+    by_key: dict[str, list[RowBinding]] = {}
+    for binding in bindings:
+        by_key.setdefault(binding.key, []).append(binding)
+    mine = sum(found[0].numel() * source.tensors[b.key].dtype.itemsize for b in bindings if b.key in source.tensors
+               and (found := _bound_local_rows(b, targets[b.target])) is not None)
+    bar = progress_bar(total=mine, desc=f"Loading {source.name} (own rows)", progress=progress)
+    try:
+        with torch.no_grad():
+            for file in source.files:
+                keys = [k for k in source.keys_in(file) if k in by_key]
+                if keys:
+                    _read_file_rows(source, file, keys, by_key, targets, stats, bar)
+                    loaded.update(keys)
+    finally:
+        if bar is not None:
+            bar.close()
     return loaded, stats
+
+
+def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_key: Mapping[str, list[RowBinding]],
+                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any) -> None:
+    """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
+    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+
+    header = read_safetensors_header(file)
+    changed = [k for k in keys if header.get(k) != source.tensors[k]]
+    if changed:
+        raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+    with open(file, "rb") as f:
+        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
+        for key in keys:
+            info = source.tensors[key]
+            row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+            for binding in by_key[key]:
+                found = _bound_local_rows(binding, targets[binding.target])
+                if found is None:
+                    continue
+                dst, key_row = found
+                if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
+                    raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
+                                          f"{binding.target} rows {tuple(dst.shape)}")
+                nbytes = dst.numel() * info.dtype.itemsize
+                if not nbytes:
+                    continue
+                direct = dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous()
+                buffer = dst if direct else torch.empty(dst.shape, dtype=info.dtype)
+                _pread_into(f.fileno(), data_start + info.offset + key_row * row_bytes, buffer, file)
+                if not direct:
+                    dst.copy_(buffer)
+                stats.add(file, nbytes)
+                if bar is not None:
+                    bar.update(nbytes)
+
+
+def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None):
+    """This rank's rows of every checkpoint tensor named like a target (a diffusers module's state dict)."""
+    return read_bound_rows(source, identity_bindings(source.tensors, targets), targets, progress=progress)
 
 
 class LocalShards(nn.Module):
@@ -127,40 +195,65 @@ class LocalShards(nn.Module):
             owner.register_parameter("bias", nn.Parameter(bias.detach(), requires_grad=False))
 
 
-def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int,
+def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowBinding],
+                    files: Sequence[dict[str, Any]], *, modules: Iterable[str], chunk_mb: int,
                     check_finite: bool = False):
-    """Fuse LoRA deltas into this rank's rows of ``module``'s (sharded) weights: ``W[rows] += s * B[rows] @ A``
-    (and the same rows of bias/full deltas), file after file. Returns the summed ``FuseStats`` or None."""
+    """Fuse LoRA deltas (keyed by checkpoint module names) into this rank's rows of their bound targets:
+    ``W[rows] += s * B[key rows] @ A`` (and the same key rows of bias / full deltas), file after file.
+
+    ``modules``: the checkpoint's module names (a delta target that is not one is a bare parameter). Returns
+    the summed ``FuseStats`` or None."""
     from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
 
-    modules, params = dict(module.named_modules()), dict(module.named_parameters())
+    modules = set(modules)
+    by_key: dict[str, list[RowBinding]] = {}
+    for binding in bindings:
+        by_key.setdefault(binding.key, []).append(binding)
+
+    unbound = [name for deltas in files for name in deltas
+               if (f"{name}.weight" if name in modules else name) not in by_key]
+    if unbound:
+        raise DistributedLoadError(f"LoRA targets {unbound[:10]}: their checkpoint tensors go into no parameter")
+
+    def bound(key: str) -> list[tuple[torch.Tensor, int]]:
+        found = [_bound_local_rows(b, targets[b.target]) for b in by_key.get(key, ())]
+        return [f for f in found if f is not None]
+
     total = None
     for deltas in files:
         shadow, sliced = LocalShards(), {}
         for name, delta in deltas.items():
-            owner = modules.get(name)
-            weight = owner.weight if owner is not None else params[name]
-            w_local, start, stop = local_rows(f"{name}.weight" if owner is not None else name, weight)
-            b_local = None
-            if delta.bias_delta is not None:
-                b_local, b_start, b_stop = local_rows(f"{name}.bias", owner.bias)
-                if (b_start, b_stop) != (start, stop):
-                    raise DistributedLoadError(f"{name}: this rank holds weight rows {start}:{stop} but bias rows "
-                                               f"{b_start}:{b_stop}; cannot fuse the bias delta locally")
-            if stop == start:
-                continue  # none of this target's rows live here
-            rows = slice(start, stop)
-            shadow.add(name, w_local, b_local)
-            sliced[name] = LoraDelta(delta.A, None if delta.B is None else delta.B[rows], delta.scale,
-                                     None if delta.bias_delta is None else delta.bias_delta[rows],
-                                     None if delta.full_delta is None else delta.full_delta[rows],
-                                     delta.source_keys)
+            weight_key = f"{name}.weight" if name in modules else name
+            biases = {} if delta.bias_delta is None else {row: view for view, row in bound(f"{name}.bias")}
+            for i, (w_local, first) in enumerate(bound(weight_key)):
+                rows = slice(first, first + (w_local.shape[0] if w_local.dim() else 1))
+                b_local = None
+                if delta.bias_delta is not None:
+                    b_local = biases.get(first)
+                    if b_local is None or b_local.shape[0] != w_local.shape[0]:
+                        raise DistributedLoadError(f"{name}: this rank holds weight rows {rows.start}:{rows.stop} "
+                                                   f"but not the same bias rows; cannot fuse the bias delta locally")
+                target = name if i == 0 else f"{name}_{i}"
+                shadow.add(target, w_local, b_local)
+                sliced[target] = LoraDelta(delta.A, None if delta.B is None else delta.B[rows], delta.scale,
+                                           None if delta.bias_delta is None else delta.bias_delta[rows],
+                                           None if delta.full_delta is None else delta.full_delta[rows],
+                                           delta.source_keys)
         stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb, check_finite=check_finite)
         total = stats if total is None else total + stats
     return total
 
 
-def _materialize_local_shards(module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
+def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int,
+                    check_finite: bool = False):
+    """``fuse_bound_rows`` for a diffusers module, whose parameter names are its checkpoint keys."""
+    targets = dict(module.named_parameters())
+    return fuse_bound_rows(targets, identity_bindings(targets, targets), files,
+                           modules=(name for name, _ in module.named_modules()), chunk_mb=chunk_mb,
+                           check_finite=check_finite)
+
+
+def materialize_local_shards(module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
     """Allocate only the local shards (``to_empty``), then put back the buffers' constructed values."""
     module.to_empty(device=device)
     with torch.no_grad():
@@ -191,13 +284,13 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     with report.phase("shard"):
         shard = apply_hsdp(module, mesh=context.mesh, config=context.hsdp, pattern=options.hsdp_block_pattern,
                            allow_meta=True)
-        _materialize_local_shards(module, device, buffers)
+        materialize_local_shards(module, device, buffers)
     targets = module.state_dict(keep_vars=True)
     exempt = strict_check_exemptions(module)
     validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
                      origin=origin)  # headers only
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets)
+        loaded, stats = _read_local_rows(source, targets, context.progress)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "

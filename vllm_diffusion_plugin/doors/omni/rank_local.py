@@ -1,0 +1,296 @@
+"""``hsdp_weight_load=rank_local`` under vllm-omni: each rank reads only its own rows of every DiT tensor.
+
+vllm-omni's DiTs are not diffusers modules: their ``load_weights`` renames checkpoint tensors and stacks some
+of them (q/k/v into one ``to_qkv``), so one rank's rows of a parameter can come from several checkpoint tensors,
+and vllm-omni's own meta-first path refuses such "transforms". We learn where every checkpoint row goes instead
+of assuming it: the model's own ``load_weights`` runs once on ``meta`` tensors (nothing read, nothing allocated)
+under a dispatch mode that records each ``copy_`` into a DiT parameter -- which checkpoint tensor, which of its
+rows, which rows of which parameter (:func:`trace_bindings`). Any other write into a parameter, a source that is
+not a row block of one checkpoint tensor, or a parameter left partly uncovered is refused naming it.
+
+Then, per DiT: shard on ``meta`` with vllm-omni's own ``apply_hsdp_to_model`` (its ``_hsdp_shard_conditions``,
+its mesh and mixed-precision policy), allocate only the local shards, read this rank's rows of the bound
+checkpoint tensors straight into them (``engine.strategies.rank_local.read_bound_rows``: ``pread``, ~1/S of
+the bytes per rank), fuse LoRA into the same rows (``fuse_bound_rows``: ``B[key rows] @ A``, our device rule),
+check nothing is left on ``meta``. vllm-omni's post-load processing (ours, HSDP-aware: ``patch_postprocess``)
+and its placement of VAEs / encoders follow, as in its own HSDP path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.strategies.base import DistributedLoadError
+from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
+
+logger = init_logger(__name__)
+
+
+class TraceError(ValueError):
+    """A DiT's ``load_weights`` does something a row binding cannot express; the message names the parameter."""
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _row_numel(shape: Sequence[int]) -> int:
+    return 1 if len(shape) <= 1 else int(torch.Size(shape[1:]).numel())
+
+
+class _BindingTracer(TorchDispatchMode):
+    """Records ``param_view.copy_(checkpoint rows)`` during a ``load_weights`` on ``meta`` tensors.
+
+    ``params``: storage id -> (parameter name, parameter); ``origins``: storage id -> (DiT, checkpoint key,
+    its shape, element offset of the storage's first element in the key). Dtype casts and clones of a
+    checkpoint tensor keep its origin; views share its storage."""
+
+    def __init__(self, params: dict[int, tuple[str, torch.Tensor]], origins: dict[int, tuple]) -> None:
+        super().__init__()
+        self.params, self.origins = params, origins
+        self.bindings: list[tuple[Any, RowBinding]] = []
+        """(the DiT the checkpoint tensor belongs to, its binding)"""
+        self.problems: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        aten = torch.ops.aten
+        if func is aten.copy_.default:
+            self._copy(args[0], args[1])
+        elif func in (aten._to_copy.default, aten.clone.default):
+            self._derive(args[0], out)
+        else:
+            for i, arg in enumerate(func._schema.arguments):
+                info = arg.alias_info
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if info is not None and info.is_write and isinstance(value, torch.Tensor) \
+                        and _sid(value) in self.params:
+                    self.problems.append(f"{self.params[_sid(value)][0]}: written by {func} (only copies of "
+                                         f"checkpoint rows can be replayed rank-locally)")
+        return out
+
+    def _derive(self, src: torch.Tensor, out: Any) -> None:
+        origin = self.origins.get(_sid(src))
+        if origin is not None and isinstance(out, torch.Tensor) and src.is_contiguous() and out.is_contiguous() \
+                and out.shape == src.shape:
+            dit, key, shape, base = origin
+            self.origins[_sid(out)] = (dit, key, shape, base + src.storage_offset())
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        found = self.params.get(_sid(dst))
+        if found is None:
+            return
+        name, param = found
+        origin = self.origins.get(_sid(src))
+        if origin is None:
+            self.problems.append(f"{name}: written from a tensor that is not rows of one checkpoint tensor")
+            return
+        dit, key, key_shape, base = origin
+        if not (dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+            self.problems.append(f"{name}: {key} is copied in through a reshaped, transposed or broadcast view")
+            return
+        if param.dim() == 0 or len(key_shape) == 0:
+            if param.numel() != 1 or int(torch.Size(key_shape).numel()) != 1:
+                self.problems.append(f"{name}: scalar copy from {key} {tuple(key_shape)}")
+                return
+            self.bindings.append((dit, RowBinding(key, name)))
+            return
+        row = _row_numel(param.shape)
+        key_offset = base + src.storage_offset()
+        if tuple(param.shape[1:]) != tuple(key_shape[1:]) or dst.storage_offset() % row or dst.numel() % row \
+                or key_offset % row:
+            self.problems.append(f"{name} {tuple(param.shape)}: {key} {tuple(key_shape)} does not land on whole "
+                                 f"rows of it")
+            return
+        self.bindings.append((dit, RowBinding(key, name, start=dst.storage_offset() // row,
+                                               key_start=key_offset // row, rows=dst.numel() // row)))
+
+
+def trace_bindings(model: nn.Module, dits: Sequence[Any]) -> tuple[dict[str, list[RowBinding]], set[str] | None]:
+    """Where every checkpoint row of ``dits`` (``load_path.DitSource``) lands in ``model``, learned by running
+    ``model.load_weights`` once on meta tensors (the DiTs' parameters must be on ``meta`` already).
+
+    Returns the bindings per component (keys unprefixed, targets named in ``model``) and what
+    ``load_weights`` reported as loaded. Raises :class:`TraceError` naming every parameter it cannot bind."""
+    params = {_sid(p): (name, p) for name, p in model.named_parameters() if p.is_meta}
+    params.update({_sid(b): (name, b) for name, b in model.named_buffers() if b.is_meta})
+    before = {name: sid for sid, (name, _) in params.items()}
+    probes, origins = [], {}
+    for dit in dits:
+        for key, info in dit.source.tensors.items():
+            probe = torch.empty(info.shape, dtype=info.dtype, device="meta")
+            probes.append((dit.prefix + key, probe))  # all alive until the end: storage ids stay unique
+            origins[_sid(probe)] = (dit, key, tuple(info.shape), 0)
+    tracer = _BindingTracer(params, origins)
+    try:
+        with tracer, torch.no_grad():
+            loaded = model.load_weights(iter(probes))
+    except (RuntimeError, NotImplementedError) as exc:
+        raise TraceError(f"{type(model).__name__}.load_weights cannot run on meta tensors ({exc}), so rank_local "
+                         f"cannot learn where each checkpoint row goes; use hsdp_weight_load=full or "
+                         f"broadcast") from exc
+    replaced = [name for name, p in model.named_parameters() if name in before and _sid(p) != before[name]]
+    problems = tracer.problems + [f"{name}: replaced by load_weights (param.data = ...)" for name in replaced]
+    if problems:
+        raise TraceError(f"hsdp_weight_load=rank_local cannot replay {type(model).__name__}.load_weights row by "
+                         f"row: {'; '.join(problems[:10])}; use hsdp_weight_load=full or broadcast")
+    bindings: dict[str, list[RowBinding]] = {dit.component: [] for dit in dits}
+    for dit, binding in tracer.bindings:
+        if not binding.target.startswith(dit.prefix):
+            raise TraceError(f"{dit.component}'s {binding.key} was copied into {binding.target}, outside "
+                             f"{dit.component} ({dit.prefix}*)")
+        bindings[dit.component].append(binding)
+    return bindings, None if loaded is None else set(loaded)
+
+
+def check_coverage(dit: Any, module: nn.Module, bindings: Sequence[RowBinding]) -> None:
+    """Every parameter of ``module`` (``dit``'s) is covered by bound rows exactly once, or raise naming it."""
+    from vllm_diffusion_plugin.engine.weights import WeightLoadError
+
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for b in bindings:
+        spans.setdefault(b.target, []).append((b.start, None if b.rows is None else b.start + b.rows))
+    missing, overlapping = [], []
+    for name, param in module.named_parameters():
+        full = dit.prefix + name
+        rows = param.shape[0] if param.dim() else 1
+        covered = 0
+        for start, stop in sorted((s, rows if e is None else e) for s, e in spans.get(full, ())):
+            if start < covered:
+                overlapping.append(full)
+                break
+            if start > covered:
+                break
+            covered = stop
+        if covered < rows and full not in overlapping:
+            missing.append(f"{full} (rows {covered}:{rows})" if covered else full)
+    if overlapping:
+        raise TraceError(f"{dit.component}: checkpoint rows are copied twice into {', '.join(overlapping[:10])}; "
+                         f"rank_local cannot tell which copy wins; use hsdp_weight_load=full or broadcast")
+    if missing:
+        raise WeightLoadError(f"{len(missing)} parameter(s) of {dit.component} ({dit.source.folder}) are not "
+                              f"(wholly) in the checkpoint: {', '.join(missing[:20])}")
+
+
+def _give_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Put ``data`` (any device, meta included) under the same ``param`` object: its identity, class and
+    attributes (vLLM's ``weight_loader``, ``output_dim`` ...) stay. ``param.data = ...`` cannot cross between
+    meta and real devices, and ``Module.to`` / ``to_empty`` would make new Parameters without the attributes."""
+    cls = type(param)
+    new = nn.Parameter(data, requires_grad=False) if cls is nn.Parameter else cls.__new__(cls, data)
+    new.__dict__.update(param.__dict__)
+    new.requires_grad_(param.requires_grad)
+    torch.utils.swap_tensors(param, new)
+
+
+def release_to_meta(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Move ``module``'s parameters (the same objects) and buffers to ``meta``; returns the buffers' values."""
+    saved = {}
+    for prefix, sub in module.named_modules():
+        for name, param in sub._parameters.items():
+            if param is not None and not param.is_meta:
+                _give_data(param, torch.empty_like(param, device="meta"))
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and not buffer.is_meta:
+                saved[f"{prefix}.{name}" if prefix else name] = buffer.detach().clone()
+                sub._buffers[name] = buffer.to("meta")
+    return saved
+
+
+def _shard_on_meta(module: nn.Module, hsdp_config: Any, device: torch.device) -> None:
+    """vllm-omni's own sharding of a DiT whose tensors are on ``meta``, then its local shards allocated on
+    ``device``. What vllm-omni keeps unsharded (``_hsdp_ignored_modules``, scalar or integer parameters) it
+    moves with ``.to(device)``, which a meta tensor cannot do: those are allocated on ``device`` first."""
+    from vllm_omni.diffusion.distributed.hsdp import apply_hsdp_to_model
+
+    from vllm_diffusion_plugin.engine.strategies.rank_local import materialize_local_shards
+
+    kept = []
+    for name in getattr(module, "_hsdp_ignored_modules", None) or ():
+        try:
+            kept += list(module.get_submodule(name).parameters())
+        except AttributeError:
+            continue  # vllm-omni warns about it itself
+    kept += [p for p in module.parameters() if p.dim() == 0 or not (p.is_floating_point() or p.is_complex())]
+    for param in kept:
+        if param.is_meta:
+            _give_data(param, torch.empty_like(param, device=device))
+    apply_hsdp_to_model(module, hsdp_config, target_device=device)
+    materialize_local_shards(module, device, {})
+
+
+def load_model(loader: Any, prepare, *, target_device: torch.device | None, load_format: str,
+               custom_pipeline_name: Any) -> nn.Module:
+    """vllm-omni's HSDP load of a pipeline with every DiT read rank-locally (see the module doc).
+
+    ``prepare(model)``: the pipeline's DiT sources as ``load_path.DitSource`` (resolved, LoRA validated)."""
+    from torch.distributed.tensor import DTensor
+    from vllm_omni.diffusion.distributed.hsdp import HSDPInferenceConfig
+    from vllm_omni.diffusion.offloader.module_collector import ModuleDiscovery
+
+    from vllm_diffusion_plugin.doors.omni import load_path
+    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows, read_bound_rows
+
+    if loader.quant_config is not None:
+        raise ValueError("hsdp_weight_load=rank_local under vllm-omni reads unquantized rows into shards made "
+                         "before any weight exists, so online quantization has nothing to quantize at load; "
+                         "use hsdp_weight_load=full with quantization")
+    device = target_device if target_device is not None else torch.device("cpu")
+    parallel = loader.parallel_config
+    hsdp_config = HSDPInferenceConfig(enabled=True, hsdp_replicate_size=parallel.hsdp_replicate_size,
+                                      hsdp_shard_size=parallel.hsdp_shard_size, param_dtype=loader.od_config.dtype)
+    model = loader._init_from_load_format(load_format, device, custom_pipeline_name, is_hsdp=True)
+    dits = prepare(model)
+    discovered = ModuleDiscovery.discover(model)
+    outer_names, outer = discovered.outermost_dits()
+    modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
+    if {id(m) for m in modules.values()} != {id(m) for m in outer}:
+        raise ValueError(f"hsdp_weight_load=rank_local reads the DiTs vllm-omni shards ({', '.join(outer_names)}) "
+                         f"from their weight sources ({', '.join(d.prefix or '<root>' for d in dits)}), and these "
+                         f"do not match in {type(model).__name__}; use hsdp_weight_load=full or broadcast")
+    buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
+    bindings, loaded = trace_bindings(model, dits)
+    load_path.check_loaded(model, loader._get_expected_parameter_names(model), loaded, quantized=False,
+                           exempt_suffixes=())
+    for dit in dits:
+        check_coverage(dit, modules[dit.component], bindings[dit.component])
+    for dit in dits:
+        module = modules[dit.component]
+        _shard_on_meta(module, hsdp_config, device)
+        with torch.no_grad():
+            for name, value in buffers[dit.component].items():
+                module.get_buffer(name).copy_(value)
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    for dit in dits:
+        start = time.perf_counter()
+        keys, stats = read_bound_rows(dit.source, bindings[dit.component], targets)
+        dit.report.bytes_read, dit.report.tensors = stats.total_bytes, len(keys)
+        dit.report.read_s = time.perf_counter() - start
+        unbound = sorted(set(dit.source.tensors) - keys)
+        if unbound:
+            logger.warning("%d checkpoint tensor(s) of %s (%s) go into no parameter of %s and were not read: %s",
+                           len(unbound), dit.component, dit.source.folder, type(model).__name__,
+                           ", ".join(unbound[:20]))
+        if dit.fuser is not None:
+            start = time.perf_counter()
+            lora = fuse_bound_rows(targets, bindings[dit.component], dit.fuser.deltas, modules=dit.fuser.modules,
+                                   chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite)
+            dit.report.record_lora(lora, time.perf_counter() - start)
+    on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)
+               and (t.to_local() if isinstance(t, DTensor) else t).is_meta]
+    if on_meta:
+        raise DistributedLoadError(f"{len(on_meta)} tensor(s) are still on the meta device after the rank-local "
+                                   f"read: {', '.join(on_meta[:20])}")
+    loader._process_weights_after_loading(model, device)
+    for group in (discovered.vaes, discovered.encoders, discovered.resident_modules):
+        for module in group or ():
+            module.to(device)
+    return model
