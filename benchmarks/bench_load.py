@@ -14,7 +14,8 @@ in ``--out-dir``. Each measurement runs ``--repeats`` times after the page cache
                   accelerate installed, diffusers maps the safetensors pages into the parameters without copying,
                   so (c) alone has not read the bytes yet -- (c') is what a consumer of the weights pays.
 
-Goals: (b1) throughput >= 0.8x the floor; (c) takes >= 2x as long as (b2). ``--fresh`` (CPU) adds build + read
+Goals: (b1) throughput >= 0.8x the floor; on an accelerator (c) takes >= 2x as long as (b2) (on the CPU both map
+the file and copy nothing, so that goal is not set there). ``--fresh`` (CPU) adds build + read
 in fresh processes (``FRESH``): ours, as the pipeline loads (copy-on-write mapped weights), no slower than
 diffusers ``from_pretrained``, untouched and with every page touched afterwards.
 
@@ -178,8 +179,10 @@ def fresh_runs(folder: Path, repeats: int) -> dict[str, list[float]]:
     import subprocess
 
     times: dict[str, list[float]] = {v: [] for v in FRESH}
-    for _ in range(repeats):
-        for variant in FRESH:  # round-robin: load from other processes hits every variant alike
+    for r in range(repeats):
+        # round-robin, rotated each round: load from other processes hits every variant alike, and no variant
+        # always follows the same one (one that just freed 2.6 GB slowed the next one's page faults up to 6x)
+        for variant in FRESH[r % len(FRESH):] + FRESH[:r % len(FRESH)]:
             done = subprocess.run([sys.executable, __file__, "--child", variant, "--out-dir", str(folder)],
                                   capture_output=True, text=True, check=True)
             times[variant].append(float(done.stdout.strip().splitlines()[-1]))
@@ -262,8 +265,9 @@ def main(argv=None) -> dict:
         ratios["fresh: diffusers vs ours (mapped), both touched"] = (med["fresh diffusers_touched"]
                                                                      / med["fresh ours_mapped_touched"])
         ratios["fresh: ours copied vs ours mapped time"] = med["fresh ours_copied"] / med["fresh ours_mapped"]
-    goals = {"ours >= 0.8x floor": ratios["ours_preallocated_vs_floor_throughput"] >= 0.8,
-             "diffusers >= 2x slower than ours (build+load)": ratios["diffusers_vs_ours_build_and_load_time"] >= 2.0}
+    goals = {"ours >= 0.8x floor": ratios["ours_preallocated_vs_floor_throughput"] >= 0.8}
+    if device.type != "cpu":  # on the CPU both map the file and copy nothing: the --fresh goal is the CPU's
+        goals["diffusers >= 2x slower than ours (build+load)"] = ratios["diffusers_vs_ours_build_and_load_time"] >= 2.0
     if "fresh ours_mapped" in med:
         goals["fresh: ours (mapped) no slower than diffusers (untouched and touched)"] = (
             ratios["fresh: diffusers vs ours (mapped) build+read time"] >= 1.0

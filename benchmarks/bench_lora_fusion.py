@@ -151,14 +151,14 @@ def summarize(threads: int, rows: dict) -> dict:
 def print_text(summary: dict) -> None:
     print(f"\n== {summary['threads']} thread(s); rank {RANK}, bf16 weights; ms per layer (best of runs) ==")
     names = ("ours", "ours (check_finite)", "floor", "fp32-chunked", "peft-style", "ours (no-onednn)", "no-onednn bf16")
-    print(f"{'layer':<16}" + "".join(f"{n:>18}" for n in names))
+    print(f"{'layer':<16}" + "".join(f"{n:>20}" for n in names))
     for label, row in summary["layers"].items():
-        print(f"{label:<16}" + "".join(f"{row[n] * 1e3:>18.1f}" for n in names))
+        print(f"{label:<16}" + "".join(f"{row[n] * 1e3:>20.1f}" for n in names))
         print(f"{'':<16}ours kernel: {row['ours kernel']}; under no-onednn: {row['ours (no-onednn) kernel']}")
     print(f"no-onednn bf16: one repetition on {SLOW_ROWS} rows, scaled to the full layer.")
     print("whole Wan2.2 A14B transformer (320 x 5120^2 + 80 x 13824x5120), seconds:")
     for name, seconds in summary["whole_transformer_seconds"].items():
-        print(f"  {name:<18}{seconds:>10.1f}")
+        print(f"  {name:<20}{seconds:>10.1f}")
     for goal in summary["goals"]:
         print(f"  [{'PASS' if goal['pass'] else 'FAIL'}] {goal['goal']}: ratio {goal['ratio']}")
 
