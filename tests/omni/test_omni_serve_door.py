@@ -24,6 +24,7 @@ import torch
 from omni_support import captured_logs, import_omni
 
 from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
+from vllm_diffusion_plugin.doors.omni.serve_options import UNSUPPORTED_KEYS
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -87,6 +88,14 @@ def test_without_our_units_the_flag_is_dropped(omni):
 def test_bad_options_stop_the_api_server_naming_the_key(omni, options, error, match):
     with pytest.raises(error, match=match):
         stage_fields(load_format=FLAG, additional_config={"diffusion_hsdp": options})
+
+
+def test_the_unknown_key_message_lists_only_keys_that_work_under_vllm_omni(omni):
+    with pytest.raises(ValueError, match=r"known keys: allow_pickle, ") as caught:
+        stage_fields(load_format=FLAG, additional_config={"diffusion_hsdp": {"lora_paths": ["x"]}})
+    listed = str(caught.value).rpartition("known keys: ")[2]
+    assert "lora_path" in listed and "hsdp_weight_load" in listed
+    assert not any(key in listed for key in UNSUPPORTED_KEYS), listed
 
 
 def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):

@@ -8,7 +8,7 @@ before any weight is read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +58,11 @@ class LoadOptions:
 
     @classmethod
     def from_extra_config(cls, extra_config: Mapping[str, Any] | None, *,
-                          origin: str = "--model-loader-extra-config") -> LoadOptions:
+                          origin: str = "--model-loader-extra-config",
+                          not_listed: Collection[str] = ()) -> LoadOptions:
         """Options from ``extra_config`` with env fallbacks; ``origin`` names where the keys came from in errors
-        (vllm-omni's door: ``--additional-config diffusion_hsdp``)."""
+        (vllm-omni's door: ``--additional-config diffusion_hsdp``). ``not_listed``: keys the unknown-key error
+        leaves out of its list of known keys (those that have no effect behind that door)."""
         extra_config = dict(extra_config or {})
         known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
         passthrough = {k: extra_config.pop(k) for k in _VLLM_OWNED_KEYS if k in extra_config}
@@ -68,7 +70,7 @@ class LoadOptions:
         if unknown:
             raise ValueError(
                 f"Unknown key(s) {', '.join(map(repr, unknown))} in {origin} for load "
-                f"format `diffusion-hsdp`; known keys: {', '.join(sorted(known))}"
+                f"format `diffusion-hsdp`; known keys: {', '.join(sorted(set(known) - set(not_listed)))}"
             )
         env_for_key = envs.by_extra_config_key()
         values: dict[str, Any] = {}

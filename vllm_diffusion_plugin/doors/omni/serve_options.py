@@ -40,7 +40,7 @@ def omni_options(additional_config: Mapping[str, Any] | None, *, origin: str = O
     raw = (additional_config or {}).get(OPTIONS_KEY) or {}
     if not isinstance(raw, Mapping):
         raise TypeError(f"{origin} must be a JSON object of load options, got {type(raw).__name__} {raw!r}")
-    options = LoadOptions.from_extra_config(raw, origin=origin)
+    options = LoadOptions.from_extra_config(raw, origin=origin, not_listed=UNSUPPORTED_KEYS)
     _check_lora_files(options)
     defaults = LoadOptions()
     for key, why in UNSUPPORTED_KEYS.items():
