@@ -41,6 +41,56 @@ def omni_loader(load_format: str = "diffusion-hsdp", extra: dict | None = None, 
                                    omni_config(**od_kwargs))
 
 
+FAMILIES = {  # vllm-omni module, class (diffusers has the same name), a tiny config both accept
+    "flux": ("vllm_omni.diffusion.models.flux.flux_transformer", "FluxTransformer2DModel", dict(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))),
+    "qwen_image": ("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer", "QwenImageTransformer2DModel",
+                   dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
+    "z_image": ("vllm_omni.diffusion.models.z_image.z_image_transformer", "ZImageTransformer2DModel", dict(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])),
+}
+
+
+class OneDitPipeline(nn.Module):
+    """A pipeline holding one vllm-omni DiT under ``transformer.`` (what its pipelines' ``load_weights`` route)."""
+
+    def __init__(self, dit: nn.Module) -> None:
+        super().__init__()
+        self.transformer = dit
+
+    def load_weights(self, weights):
+        loaded = self.transformer.load_weights((n.removeprefix("transformer."), t) for n, t in weights)
+        return {f"transformer.{n}" for n in loaded}
+
+
+def build_family_dit(family: str) -> nn.Module:
+    """vllm-omni's DiT of ``family`` at its tiny config, float32 (on the CPU, vLLM 0.30's ``SiluAndMul`` needs an
+    op the PyPI wheel lacks: ``cpu_ops`` registers it)."""
+    import inspect
+    import sys
+    from pathlib import Path
+
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_scenarios"))
+    from cpu_ops import ensure_cpu_ops
+
+    ensure_cpu_ops()
+    module, name, config = FAMILIES[family]
+    cls = getattr(importlib.import_module(module), name)
+    kwargs = dict(config)
+    od_config = inspect.signature(cls).parameters.get("od_config")
+    if od_config is not None and od_config.default is inspect.Parameter.empty:
+        kwargs["od_config"] = OmniDiffusionConfig(model="/unused")  # required (Qwen-Image reads its parallel config)
+    with set_default_torch_dtype(torch.float32):
+        return cls(**kwargs)
+
+
+
 class RecordingMethod(QuantizeMethodBase):
     """An offline quant method whose post-processing doubles the weight and records where it ran."""
 

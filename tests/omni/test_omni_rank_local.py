@@ -14,16 +14,13 @@ vllm-omni"): vllm-omni's ``to_qkv`` rows come from three checkpoint tensors, whi
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from omni_support import import_omni
-from torch import nn
+from omni_support import FAMILIES, OneDitPipeline, build_family_dit, import_omni
 
 
 import_omni()  # skips this module where vllm-omni is not installed
@@ -114,51 +111,14 @@ def test_each_rank_reads_its_own_rows_of_the_stacked_dits(omni, wan22, monkeypat
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=f"{component}.{name}")
 
 
-FAMILIES = {  # vllm-omni module, class (diffusers has the same name), a tiny config both accept
-    "flux": ("vllm_omni.diffusion.models.flux.flux_transformer", "FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))),
-    "qwen_image": ("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer", "QwenImageTransformer2DModel",
-                   dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
-                        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
-    "z_image": ("vllm_omni.diffusion.models.z_image.z_image_transformer", "ZImageTransformer2DModel", dict(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2,
-        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])),
-}
-
-
-class OneDitPipeline(nn.Module):
-    """A pipeline holding one vllm-omni DiT under ``transformer.`` (what its pipelines' ``load_weights`` route)."""
-
-    def __init__(self, dit: nn.Module) -> None:
-        super().__init__()
-        self.transformer = dit
-
-    def load_weights(self, weights):
-        loaded = self.transformer.load_weights((n.removeprefix("transformer."), t) for n, t in weights)
-        return {f"transformer.{n}" for n in loaded}
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_other_families_bind_every_row_once(omni_world, family):
     import diffusers
-    from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
 
     from vllm_diffusion_plugin.doors.omni.rank_local import check_coverage, release_to_meta, trace_bindings
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm_scenarios"))
-    from cpu_ops import ensure_cpu_ops  # vLLM 0.30's CPU SiluAndMul looks up an op the PyPI wheel lacks
-
-    ensure_cpu_ops()
-    module, name, config = FAMILIES[family]
-    cls = getattr(importlib.import_module(module), name)
-    kwargs = dict(config)
-    od_config = inspect.signature(cls).parameters.get("od_config")
-    if od_config is not None and od_config.default is inspect.Parameter.empty:
-        kwargs["od_config"] = OmniDiffusionConfig(model="/unused")  # required (Qwen-Image reads its parallel config)
-    with set_default_torch_dtype(torch.float32):
-        pipeline = OneDitPipeline(cls(**kwargs))
+    pipeline = OneDitPipeline(build_family_dit(family))
+    _, name, config = FAMILIES[family]
     with torch.device("meta"):
         reference = getattr(diffusers, name)(**config)  # diffusers' checkpoint names and shapes
     tensors = {k: types.SimpleNamespace(shape=tuple(v.shape), dtype=torch.bfloat16)
