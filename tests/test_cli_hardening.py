@@ -86,6 +86,29 @@ def test_lora_without_any_dit_loaded_is_an_error(tiny_wan_dir, tmp_path, capsys)
         assign_loras([LoraSpec(tmp_path)], [])
 
 
+@pytest.mark.parametrize(("text", "match"), [
+    ("=LORA", "empty component name before '='"),
+    ("LORA@abc", "the scale 'abc' after '@' is not a number"),
+    ("transformer=LORA@", "the scale '' after '@' is not a number"),
+])
+def test_a_malformed_lora_spec_is_an_error_naming_it(tmp_path, text, match):
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+
+    lora = tmp_path / "distill.safetensors"
+    lora.write_bytes(b"")
+    with pytest.raises(ValueError, match=match):
+        LoraSpec.parse(text.replace("LORA", str(lora)))
+
+
+def test_an_at_sign_in_a_lora_file_name_stays_in_the_path(tmp_path):
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+
+    lora = tmp_path / "wan@lightx2v.safetensors"
+    lora.write_bytes(b"")
+    assert LoraSpec.parse(str(lora)) == LoraSpec(lora, 1.0, None)
+    assert LoraSpec.parse(f"transformer_2={lora}@0.5", default_scale=0.5) == LoraSpec(lora, 0.25, "transformer_2")
+
+
 def test_a_lora_file_that_fuses_nothing_is_an_error_naming_it(tiny_wan_dir, tmp_path, capsys):
     empty = tmp_path / "empty_lora.safetensors"
     save_file({}, str(empty))

@@ -90,6 +90,16 @@ def test_bad_options_stop_the_api_server_naming_the_key(omni, options, error, ma
         stage_fields(load_format=FLAG, additional_config={"diffusion_hsdp": options})
 
 
+def test_a_lora_for_a_component_the_folder_lacks_stops_the_api_server(omni, wan22):
+    options = {"lora_path": [f"transformer={wan22.high}", f"transformer_3={wan22.low}"]}
+    with pytest.raises(ValueError, match=r"'transformer_3=.*' names component 'transformer_3', which .*"
+                                         r"model_index.json does not list; its components: .*transformer_2"):
+        stage_fields(model=str(wan22.root), load_format=FLAG, additional_config={"diffusion_hsdp": options})
+    with pytest.raises(ValueError, match="empty component name"):
+        stage_fields(model=str(wan22.root), load_format=FLAG,
+                     additional_config={"diffusion_hsdp": {"lora_path": [f"={wan22.high}"]}})
+
+
 def test_the_unknown_key_message_lists_only_keys_that_work_under_vllm_omni(omni):
     with pytest.raises(ValueError, match=r"known keys: allow_pickle, ") as caught:
         stage_fields(load_format=FLAG, additional_config={"diffusion_hsdp": {"lora_paths": ["x"]}})

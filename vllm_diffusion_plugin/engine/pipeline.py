@@ -45,15 +45,22 @@ class LoraSpec:
 
     @classmethod
     def parse(cls, text: str, *, default_scale: float = 1.0) -> LoraSpec:
+        """``@SCALE`` multiplies ``default_scale``. An ``@`` whose tail is no number belongs to the file name,
+        unless only the part before it names a file: then the scale is malformed, an error naming the spec."""
         component, sep, rest = text.partition("=")
         if not sep or os.sep in component:
             component, rest = None, text
+        elif not component.strip():
+            raise ValueError(f"LoRA {text!r}: empty component name before '=' (COMPONENT=PATH[@SCALE])")
         path, sep, scale_text = rest.rpartition("@")
         scale = default_scale
         if sep:
             try:
                 scale = float(scale_text) * default_scale
             except ValueError:
+                if Path(path).is_file() and not Path(rest).exists():
+                    raise ValueError(f"LoRA {text!r}: the scale {scale_text!r} after '@' is not a number "
+                                     f"([COMPONENT=]PATH[@SCALE])") from None
                 path = rest  # an '@' that is part of the file name
         else:
             path = rest

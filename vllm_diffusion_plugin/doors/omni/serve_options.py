@@ -41,7 +41,6 @@ def omni_options(additional_config: Mapping[str, Any] | None, *, origin: str = O
     if not isinstance(raw, Mapping):
         raise TypeError(f"{origin} must be a JSON object of load options, got {type(raw).__name__} {raw!r}")
     options = LoadOptions.from_extra_config(raw, origin=origin, not_listed=UNSUPPORTED_KEYS)
-    _check_lora_files(options)
     defaults = LoadOptions()
     for key, why in UNSUPPORTED_KEYS.items():
         if getattr(options, key) != getattr(defaults, key):
@@ -50,13 +49,31 @@ def omni_options(additional_config: Mapping[str, Any] | None, *, origin: str = O
     return options
 
 
-def _check_lora_files(options: Any) -> None:
+def check_lora_entries(options: Any, model: Any) -> None:
+    """Every ``lora_path`` entry's file exists, and a component it names is one that a local pipeline folder's
+    ``model_index.json`` lists (whether that component is a DiT the workers decide); else an error naming the
+    entry, before any worker starts."""
+    import json
+    from pathlib import Path
+
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec
 
-    for text in options.lora_path:
-        spec = LoraSpec.parse(text, default_scale=options.lora_scale)
+    specs = [(text, LoraSpec.parse(text, default_scale=options.lora_scale)) for text in options.lora_path]
+    for text, spec in specs:
         if not spec.path.is_file():
             raise FileNotFoundError(f"lora_path entry {text!r}: LoRA file {spec.path} does not exist")
+    index = Path(str(model)) / "model_index.json" if model else None
+    if index is None or not index.is_file() or all(spec.component is None for _, spec in specs):
+        return
+    try:
+        components = sorted(k for k, v in json.loads(index.read_text()).items()
+                            if not k.startswith("_") and isinstance(v, list))
+    except (OSError, ValueError, AttributeError):
+        return  # the workers' checkpoint resolution names what is wrong with the index
+    for text, spec in specs:
+        if spec.component is not None and spec.component not in components:
+            raise ValueError(f"lora_path entry {text!r} names component {spec.component!r}, which {index} does "
+                             f"not list; its components: {', '.join(components)}")
 
 
 def carried(od_config: Any) -> bool:
@@ -106,7 +123,9 @@ def refusals(options: Any, od_config: Any) -> list[str]:
 
 
 def check_supported(options: Any, od_config: Any) -> None:
-    """Raise one error listing every combination :func:`refusals` finds."""
+    """Raise naming a bad ``lora_path`` entry (:func:`check_lora_entries`), or one error listing every combination
+    :func:`refusals` finds."""
+    check_lora_entries(options, _get(od_config, "model", None))
     problems = refusals(options, od_config)
     if problems:
         raise ValueError("--load-format diffusion-hsdp under vllm-omni cannot be combined with: "
