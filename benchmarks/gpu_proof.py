@@ -38,7 +38,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEP_LIMITS_S = {"cuda_tests": 120, "bench_load": 180, "lora_device": 120, "omni_serve": 60}
+STEP_LIMITS_S = {"cuda_tests": 120, "bench_load": 180, "lora_device": 120, "omni_serve": 420}
+"""Per step; ``omni_serve`` starts 8 servers (~4-5 min on a 2-core CPU host): with the other steps it needs
+``--budget-s 900`` or a run of its own (``--steps omni_serve``)."""
 OPTIONAL = ("diffusers", "vllm", "vllm_omni", "peft", "pytest", "safetensors")
 IN_VENV = "VLLM_DIFFUSION_GPU_PROOF_VENV"
 
