@@ -90,7 +90,6 @@ def build_family_dit(family: str) -> nn.Module:
         return cls(**kwargs)
 
 
-
 class RecordingMethod(QuantizeMethodBase):
     """An offline quant method whose post-processing doubles the weight and records where it ran."""
 
