@@ -102,14 +102,16 @@ _VLLM_PACKAGES = ("vllm", "vllm_omni")
 
 
 def may_hold_vllm_layers(model: Any) -> bool:
-    """Whether ``model`` can hold a vLLM layer or quant method: some module's class, or its ``quant_method``'s,
-    derives from a class defined in vLLM or vllm-omni. A diffusers DiT holds none, and then vLLM's attention
-    and quantization modules (seconds to import) need not be imported to know that none of them is there."""
+    """Whether ``model`` can hold a vLLM layer or quant method: some module has a ``quant_method`` (whether it
+    is vLLM's ``QuantizeMethodBase`` is decided by ``isinstance``, as vLLM's loader does: a registered virtual
+    subclass has no vLLM class in its MRO), or some module's class derives from a class defined in vLLM or
+    vllm-omni. A diffusers DiT holds none, and then vLLM's attention and quantization modules (seconds to
+    import) need not be imported to know that none of them is there."""
     for module in model.modules():
-        for obj in (module, getattr(module, "quant_method", None)):
-            if obj is not None and any(cls.__module__.split(".")[0] in _VLLM_PACKAGES
-                                       for cls in type(obj).__mro__):
-                return True
+        if getattr(module, "quant_method", None) is not None:
+            return True
+        if any(cls.__module__.split(".")[0] in _VLLM_PACKAGES for cls in type(module).__mro__):
+            return True
     return False
 
 

@@ -142,3 +142,40 @@ def test_lora_h2d_failure_falls_back_to_cpu_vllm_omni_own_raises(omni, fake_acce
     assert_fused(module, expected)
     warnings = logs.messages()
     assert len(warnings) == 1 and "computing it on the CPU" in warnings[0] and "OutOfMemoryError" in warnings[0]
+
+
+def test_finalize_runs_for_an_online_method_that_is_vllm_s_only_by_isinstance(omni, monkeypatch):
+    """vllm-omni's own ``test_process_weights_skips_completed_online_quant_layer`` (found by the regression gate,
+    ``testing/omni_regression.py``): a quant method that is a ``QuantizeMethodBase`` by ``isinstance`` but has no
+    vLLM class in its MRO (here a registered virtual subclass) still gets vLLM's finalize, as in vllm-omni's own
+    code; the layer it already processed during loading is not processed again."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class RegisteredOnlineMethod:  # registered with the ABC, not derived from it
+        uses_meta_device = True
+
+        def __init__(self):
+            self.processed = 0
+
+        def process_weights_after_loading(self, layer):
+            self.processed += 1
+
+    QuantizeMethodBase.register(RegisteredOnlineMethod)
+    real_finalize, calls = layerwise.finalize_layerwise_processing, []
+
+    def recording_finalize(model, model_config):
+        calls.append((model, model_config))
+        return real_finalize(model, model_config)
+
+    monkeypatch.setattr(layerwise, "finalize_layerwise_processing", recording_finalize)
+    loader = omni_loader("auto")
+    for process in (omni.Loader._process_weights_after_loading.__wrapped__, type(loader)._process_weights_after_loading):
+        model = nn.Module()
+        model.layer = nn.Linear(2, 2, bias=False)
+        model.layer.quant_method = RegisteredOnlineMethod()
+        model.layer._already_called_process_weights_after_loading = True
+        calls.clear()
+        process(loader, model, torch.device("cpu"))
+        assert [m for m, _ in calls] == [model], process
+        assert model.layer.quant_method.processed == 0
+    assert calls[0][1].dtype == loader.od_config.dtype  # ours: a model-config view (vllm-omni's own: None)
