@@ -14,7 +14,8 @@ active (enabled) or was active (disabled) is an error, not a pass.
 Every test whose outcome differs between the runs is printed. A difference is *expected* when a patch unit
 declares it: a module-level ``EXPECTED_UPSTREAM_TEST_DIFFERENCES = {"<test id pattern>": "<why>"}`` (fnmatch
 pattern over pytest node ids such as ``tests/diffusion/lora/test_loader.py::test_x``) in the unit whose
-docstring explains the deliberate behaviour. Exit status: 0 no unexpected difference, 1 unexpected
+docstring explains the deliberate behaviour; the value may be ``("<why>", "<failure message pattern>")``, so
+that the test failing for any other reason is still unexpected. Exit status: 0 no unexpected difference, 1 unexpected
 differences, 2 the comparison could not be made (missing files, a run without a junit report, the plugin not
 active when it should be).
 """
@@ -46,17 +47,23 @@ APPLIED = ("applied", "already applied")
 
 @dataclasses.dataclass(frozen=True)
 class Declaration:
-    """An expected difference: the patch unit (module name) that declares it, the test id pattern, why."""
+    """An expected difference: the patch unit that declares it, the test id pattern, why, and optionally a
+    pattern the test's failure message must match (so the test failing for another reason is still caught)."""
 
     unit: str
     pattern: str
     why: str
+    message: str | None = None
+
+    def matches(self, test_id: str, message: str) -> bool:
+        return fnmatch.fnmatchcase(test_id, self.pattern) and (
+            self.message is None or fnmatch.fnmatchcase(message, self.message))
 
 
 @dataclasses.dataclass
 class Run:
-    """One pytest run: each test's outcome (``passed``/``failed``/``error``/``skipped``/``xfailed``) and the
-    first line of its failure message, pytest's exit status, and what the probe recorded (None: no record)."""
+    """One pytest run: each test's outcome (``passed``/``failed``/``error``/``skipped``/``xfailed``) and its
+    failure message, pytest's exit status, and what the probe recorded (None: no record)."""
 
     name: str
     exit_code: int
@@ -100,14 +107,16 @@ class Report:
 
 
 def declared_differences() -> list[Declaration]:
-    """Every ``EXPECTED_UPSTREAM_TEST_DIFFERENCES`` entry of the vllm-omni patch units (imports no vllm-omni)."""
+    """Every ``EXPECTED_UPSTREAM_TEST_DIFFERENCES`` entry of the vllm-omni patch units (imports no vllm-omni).
+    An entry's value is the reason, or ``(reason, failure message pattern)``."""
     from vllm_diffusion_plugin.doors import omni
 
     found = []
     for name in omni.PATCH_UNITS:
         unit = importlib.import_module(f"{omni.__name__}.{name}")
-        for pattern, why in getattr(unit, DECLARATION, {}).items():
-            found.append(Declaration(unit=name, pattern=pattern, why=why))
+        for pattern, value in getattr(unit, DECLARATION, {}).items():
+            why, message = (value, None) if isinstance(value, str) else value
+            found.append(Declaration(unit=name, pattern=pattern, why=why, message=message))
     return found
 
 
@@ -133,7 +142,7 @@ def run_pytest(checkout: Path, tests: list[str], *, enabled: bool, workdir: Path
 
 
 def parse_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """Outcome and first message line per pytest node id from a junit XML written with ``junit_family=xunit1``."""
+    """Outcome and failure message per pytest node id from a junit XML written with ``junit_family=xunit1``."""
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
     rank = {"passed": 0, "skipped": 1, "xfailed": 1, "error": 2, "failed": 3}
@@ -147,8 +156,7 @@ def parse_junit(path: Path) -> tuple[dict[str, str], dict[str, str]]:
             if kind == "skipped" and child.get("type") == "pytest.xfail":
                 kind = "xfailed"
             if rank[kind] >= rank[outcome]:
-                outcome, message = kind, (child.get("message") or child.text or "").strip().splitlines()[:1]
-                message = message[0] if message else ""
+                outcome, message = kind, (child.get("message") or child.text or "").strip()
         if test_id not in outcomes or rank[outcome] >= rank[outcomes[test_id]]:
             outcomes[test_id], messages[test_id] = outcome, message
     return outcomes, messages
@@ -193,12 +201,13 @@ def compare(runs: dict[str, Run], declarations: list[Declaration]) -> Report:
         before, after = off.outcomes.get(test_id, "absent"), on.outcomes.get(test_id, "absent")
         if before == after:
             continue
-        matches = [d for d in declarations if fnmatch.fnmatchcase(test_id, d.pattern)]
+        message = on.messages.get(test_id) or off.messages.get(test_id) or ""
+        matches = [d for d in declarations if d.matches(test_id, message)]
         seen.update(matches)
         differences.append({
             "test": test_id, "disabled": before, "enabled": after, "expected": bool(matches),
             "unit": matches[0].unit if matches else None, "why": matches[0].why if matches else None,
-            "message": on.messages.get(test_id) or off.messages.get(test_id) or "",
+            "message": message,
         })
     return Report(runs=runs, differences=differences, problems=problems,
                   declared_not_seen=[d for d in declarations if d not in seen])
@@ -217,7 +226,7 @@ def render_table(report: Report) -> str:
         lines.append(f"\n{'test':<{width}}  {'disabled':<8}  {'enabled':<8}  verdict")
         for d in report.differences:
             verdict = (f"expected ({d['unit']}): {d['why']}" if d["expected"]
-                       else f"UNEXPECTED: {d['message']}")
+                       else f"UNEXPECTED: {d['message'].splitlines()[0] if d['message'] else ''}")
             lines.append(f"{d['test']:<{width}}  {d['disabled']:<8}  {d['enabled']:<8}  {verdict}")
     lines.extend(f"declared, not seen here ({d.unit}): {d.pattern}" for d in report.declared_not_seen)
     lines.extend(f"PROBLEM: {problem}" for problem in report.problems)
