@@ -102,14 +102,16 @@ _VLLM_PACKAGES = ("vllm", "vllm_omni")
 
 
 def may_hold_vllm_layers(model: Any) -> bool:
-    """Whether ``model`` can hold a vLLM layer or quant method: some module's class, or its ``quant_method``'s,
-    derives from a class defined in vLLM or vllm-omni. A diffusers DiT holds none, and then vLLM's attention
-    and quantization modules (seconds to import) need not be imported to know that none of them is there."""
+    """Whether ``model`` can hold a vLLM layer or quant method: some module carries a ``quant_method`` (whatever
+    its class: vLLM decides by ``isinstance(..., QuantizeMethodBase)``, which an ABC registration satisfies with
+    no vLLM class in the method's MRO), or some module's class derives from a class defined in vLLM or vllm-omni.
+    A diffusers DiT has neither, and then vLLM's attention and quantization modules (seconds to import) need not
+    be imported to know that none of them is there."""
     for module in model.modules():
-        for obj in (module, getattr(module, "quant_method", None)):
-            if obj is not None and any(cls.__module__.split(".")[0] in _VLLM_PACKAGES
-                                       for cls in type(obj).__mro__):
-                return True
+        if getattr(module, "quant_method", None) is not None:
+            return True
+        if any(cls.__module__.split(".")[0] in _VLLM_PACKAGES for cls in type(module).__mro__):
+            return True
     return False
 
 
