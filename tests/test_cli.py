@@ -34,6 +34,11 @@ def test_demo_runs_offline_and_fuses_loras():
     # the launching process's phases too, so that what is outside reading and fusing shows (issue #15)
     assert {"imports", "demo_write", "validate", "wall"} <= report["seconds"].keys()
     assert report["seconds"]["wall"] >= report["seconds"]["imports"] + report["seconds"]["total"]
+    # per component, the same figures the vllm-omni door's report line carries (one report type, issue #23)
+    for c in report["components"]:
+        assert c["lora_files"] == 1 and c["read_s"] > 0 and c["lora_s"] > 0, c
+    assert sum(c["read_s"] for c in report["components"]) <= report["seconds"]["read"] + 1e-6
+    assert sum(c["lora_s"] for c in report["components"]) <= report["seconds"]["lora"] + 1e-6
 
 
 def test_load_json_fuse_and_save_fused_round_trips_through_diffusers(tiny_wan_dir, tmp_path):

@@ -365,13 +365,28 @@ def test_the_table_names_what_the_lora_column_counts(tiny_wan_dir, tmp_path, cap
     assert "lora targets" in table and "lora keys" not in table
 
 
-def test_third_party_noise_is_hidden_unless_verbose(tiny_wan_dir):
+def test_third_party_noise_and_our_info_lines_are_hidden_unless_verbose(tiny_wan_dir):
     args = ["load", str(tiny_wan_dir), "--component", "transformer", *LOAD]
     quiet, verbose = run_cli(*args), run_cli(*args, "--verbose")
     assert quiet.returncode == verbose.returncode == 0, quiet.stderr[-3000:]
     noise = ("is deprecated", "Failed to import from vllm._C", "No CUDA runtime")
     assert not [line for line in quiet.stderr.splitlines() if any(n in line for n in noise)], quiet.stderr[-3000:]
-    assert "Loaded transformer" in quiet.stderr  # our own messages stay
+    ours = [line for line in quiet.stderr.splitlines() if " INFO " in line]
+    assert not ours, quiet.stderr[-3000:]  # the table on stdout is what the command is run for
+    assert "lora targets" in quiet.stdout
+    assert "diffusion-hsdp load report: component=transformer rank=0 world_size=1 " in verbose.stderr
+    assert "Built WanTransformer3DModel" in verbose.stderr
+
+
+def test_without_verbose_our_warnings_still_show():
+    script = ("from vllm_diffusion_plugin.doors.noise import quiet_third_party\n"
+              "from vllm_diffusion_plugin._logging import init_logger\n"
+              "quiet_third_party(verbose=False)\n"
+              "log = init_logger('vllm_diffusion_plugin.engine.weights')\n"
+              "log.info('INFO-MARK'); log.warning('WARNING-MARK'); log.error('ERROR-MARK')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "WARNING-MARK" in proc.stderr and "ERROR-MARK" in proc.stderr and "INFO-MARK" not in proc.stderr
 
 
 # ---- 9. the CLI without its extra -----------------------------------------------------------------------

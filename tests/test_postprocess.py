@@ -265,6 +265,38 @@ def test_seed_b_online_quant_finalized_by_vllm_then_rest_processed(fake_accelera
     assert getattr(model.offline, PROCESSED_ATTR)
 
 
+class RegisteredFp8OnlineMethod:
+    """``TorchFp8OnlineMethod``'s behaviour in a class that derives from nothing of vLLM: a
+    ``QuantizeMethodBase`` only by ABC registration, as an out-of-tree quant method may be."""
+
+    uses_meta_device = True
+    create_weights = TorchFp8OnlineMethod.create_weights
+    apply = TorchFp8OnlineMethod.apply
+    process_weights_after_loading = TorchFp8OnlineMethod.process_weights_after_loading
+
+
+QuantizeMethodBase.register(RegisteredFp8OnlineMethod)
+
+
+def test_online_quant_is_finalized_whatever_the_quant_methods_class_hierarchy(fake_accelerator):
+    # vLLM's loader decides by isinstance(quant_method, QuantizeMethodBase) and uses_meta_device, not by where
+    # the classes were defined: a shortcut keyed on the MRO skipped finalize and left the straggler on meta.
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.loaded = QuantLinear(RegisteredFp8OnlineMethod(), 16, 8)
+    model.straggler = QuantLinear(RegisteredFp8OnlineMethod(), 16, 8, loader=padded_loader)
+    assert isinstance(model.loaded.quant_method, QuantizeMethodBase)
+    ckpt = load_checkpoint(model)
+    assert model.straggler.weight.is_meta
+
+    report = process_weights_after_loading(model, fake_accelerator.device)
+
+    assert report.online_quant is True and report.skipped == ("loaded", "straggler")
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.straggler.weight.dtype == FP8
+    torch.testing.assert_close(dequantized(model.straggler)[:6], ckpt["straggler.weight"], rtol=0.07, atol=1e-2)
+
+
 class PlaceholderScaleMethod(RecordingScaleMethod):
     """Creates its scale as a ``meta`` placeholder and fills it while processing (a common quant-method
     pattern); the layer is not an online-quant layer, so vLLM's finalize never materializes it."""

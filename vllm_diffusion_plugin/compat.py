@@ -102,11 +102,11 @@ _VLLM_PACKAGES = ("vllm", "vllm_omni")
 
 
 def may_hold_vllm_layers(model: Any) -> bool:
-    """Whether ``model`` can hold a vLLM layer or quant method: some module has a ``quant_method`` (whether it
-    is vLLM's ``QuantizeMethodBase`` is decided by ``isinstance``, as vLLM's loader does: a registered virtual
-    subclass has no vLLM class in its MRO), or some module's class derives from a class defined in vLLM or
-    vllm-omni. A diffusers DiT holds none, and then vLLM's attention and quantization modules (seconds to
-    import) need not be imported to know that none of them is there."""
+    """Whether ``model`` can hold a vLLM layer or quant method: some module carries a ``quant_method`` (whatever
+    its class: vLLM decides by ``isinstance(..., QuantizeMethodBase)``, which an ABC registration satisfies with
+    no vLLM class in the method's MRO), or some module's class derives from a class defined in vLLM or vllm-omni.
+    A diffusers DiT has neither, and then vLLM's attention and quantization modules (seconds to import) need not
+    be imported to know that none of them is there."""
     for module in model.modules():
         if getattr(module, "quant_method", None) is not None:
             return True

@@ -56,7 +56,7 @@ def load_on_rank(rank: int, world_size: int, root: str, high: str, low: str, str
         loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
         with set_forward_context(vllm_config=config, omni_diffusion_config=od_config):
             model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
-    return model, loader._diffusion_hsdp_state["reports"]
+    return model, {c.name: c for c in loader._diffusion_hsdp_state["report"].components}
 
 
 def rank_worker(rank: int, world_size: int, root: str, high: str, low: str) -> dict:

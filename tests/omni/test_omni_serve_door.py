@@ -361,5 +361,5 @@ def test_other_families_load_through_our_path_with_a_lora(omni_world, family, tm
         torch.testing.assert_close(got[param], want[param], rtol=0, atol=1e-6, msg=f"{family}: {param}")
     changed = [p for p in want if not torch.equal(want[p], unfused[p])]
     assert len(pairs) >= 4 and any("qkv" in p for p in changed), (family, pairs, changed)
-    report = loader._diffusion_hsdp_state["reports"]["transformer"]
-    assert report.bytes_read == sum(t.nbytes for t in base.values()) and report.lora_targets == len(pairs), report
+    (report,) = [c for c in loader._diffusion_hsdp_state["report"].components if c.name == "transformer"]
+    assert report.bytes_read == sum(t.nbytes for t in base.values()) and report.lora_keys_fused == len(pairs), report

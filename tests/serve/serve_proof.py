@@ -32,8 +32,8 @@ VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height":
               "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",
               "boundary_ratio": "0.875", "seed": "1234", "fps": "8"}
 REPORT_PREFIX = "diffusion-hsdp load report:"
-"""The INFO line the vllm-omni door's load path writes per DiT and rank (``doors/omni/load_path.py``,
-``ComponentLoadReport.line``; tests/serve/test_proof_helpers.py checks the two agree)."""
+"""The INFO line the vllm-omni door's load path writes per DiT and rank (``engine/report.py``,
+``report_line``; tests/serve/test_proof_helpers.py checks the two agree)."""
 LORA_RANK, LORA_ALPHA = 4, 8.0
 
 
@@ -323,7 +323,7 @@ _FIELD = re.compile(r"(\w+)=(\S+)")
 
 def load_reports(log_text: str) -> list[dict[str, str]]:
     """Every ``diffusion-hsdp load report: key=value ...`` line of a server log, as a dict per line (the line is
-    written by ``vllm_diffusion_plugin.doors.omni.load_path.ComponentLoadReport.line``)."""
+    written by ``vllm_diffusion_plugin.engine.report.report_line``)."""
     reports = []
     for line in log_text.splitlines():
         _, sep, rest = line.partition(REPORT_PREFIX)

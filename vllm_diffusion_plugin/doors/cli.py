@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     demo.add_argument("--keep", type=Path, help="write the demo checkpoint here and keep it")
     demo.add_argument("--verbose", action="store_true",
-                      help="show third-party warnings and the traceback of an error")
+                      help="show our INFO lines, third-party warnings and the traceback of an error")
     return parser
 
 
@@ -73,7 +74,7 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                    help="accept .bin/.pt weights (read with torch.load(weights_only=True)); unset: "
                         "VLLM_DIFFUSION_ALLOW_PICKLE decides")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--verbose", action="store_true", help="show third-party warnings and the traceback of an error")
+    p.add_argument("--verbose", action="store_true", help="show our INFO lines, third-party warnings and the traceback of an error")
 
 
 class Interrupted(BaseException):
@@ -287,6 +288,18 @@ def _raise_on_signal(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command (see ``_main``); a caller in the same process (a test) gets our loggers' level back after it."""
+    from vllm_diffusion_plugin.doors.noise import OURS
+
+    ours = logging.getLogger(OURS)
+    level = ours.level
+    try:
+        return _main(argv)
+    finally:
+        ours.setLevel(level)
+
+
+def _main(argv: list[str] | None) -> int:
     """The command; the report's ``seconds`` add the launching process's phases to the ranks' (``report.PHASES``):
     ``startup`` (process start to here: the interpreter and the CLI's own imports), ``imports`` (torch, diffusers
     and the diffusers classes the checkpoint names, which a diffusers ``from_pretrained`` needs as well),

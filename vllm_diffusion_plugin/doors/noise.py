@@ -1,10 +1,12 @@
-"""Harmless third-party warnings kept off the CLI's stderr unless ``--verbose``.
+"""The CLI's stderr without ``--verbose``: our warnings and errors, progress bars, and nothing else of ours.
 
 Every run and every rank used to print torch deprecation notices (``torch._opaque_base is deprecated``...),
-vLLM's "Failed to import from vllm._C" on a CPU build and "No CUDA runtime is found" on hosts without one.
-They say nothing about the load. ``quiet_third_party()`` drops exactly those (a ``logging`` filter on the
-handlers of the root, ``torch`` and ``vllm`` loggers, and ``warnings`` filters); our own messages, and any
-other third-party warning, pass. Idempotent; call it again after something replaced the handlers.
+vLLM's "Failed to import from vllm._C" on a CPU build and "No CUDA runtime is found" on hosts without one,
+and about twenty of our own INFO lines (``Built ... on meta``, ``Normalized ... LoRA keys``, ...) before the
+table a newcomer ran the command for. ``quiet_third_party()`` drops exactly those third-party messages (a
+``logging`` filter on the handlers of the root, ``torch`` and ``vllm`` loggers, and ``warnings`` filters) and
+raises our loggers' level to WARNING; any other third-party warning passes. ``--verbose`` keeps everything.
+Idempotent; call it again after something replaced the handlers.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ _FILTER = _HarmlessFilter()
 
 
 def quiet_third_party(*, verbose: bool) -> None:
-    """Drop harmless third-party warnings from now on in this process, unless ``verbose``."""
+    """Drop harmless third-party warnings and our own INFO lines from now on in this process, unless ``verbose``."""
     if verbose:
         return
+    logging.getLogger(OURS).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=HARMLESS.pattern)

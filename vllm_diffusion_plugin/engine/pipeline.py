@@ -29,7 +29,7 @@ from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport
+from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport, report_line
 
 logger = init_logger(__name__)
 
@@ -230,19 +230,19 @@ class _LoadStep:
         context = self.context
         report, strategy, mesh = context.report, context.report.strategy, context.mesh
         entry = ComponentReport(name=source.name, class_name=str(source.config.get("_class_name", "?")),
-                                files=len(source.files))
+                                files=len(source.files), lora_files=len(lora_files))
         report.components.append(entry)
         sharded = is_dit and mesh is not None
         # ---- read: every rank everything / rank 0 then broadcast / each rank its own rows (already sharded)
         load = LOADERS["full" if strategy == "rank_local" and not sharded else strategy]
+        before = dict(report.seconds)
         out = load(source, context=context, lora_files=lora_files)
+        entry.read_s, entry.lora_s = (report.seconds.get(p, 0.0) - before.get(p, 0.0) for p in ("read", "lora"))
         module = out.module.requires_grad_(False)  # inference: FSDP2 then accepts mixed fp32/bf16 params
         entry.bytes_read, entry.tensors = out.bytes_read, out.tensors
         entry.param_bytes_total = sum(p.numel() * p.element_size() for p in module.parameters())
         if out.lora is not None:
-            entry.lora_keys_fused = out.lora.targets
-            entry.lora_compute_device = out.lora.compute_device
-            entry.lora_fallbacks = out.lora.fallbacks
+            entry.record_lora(out.lora, entry.lora_s)
         # ---- online-quant finalize + post-load processing (HSDP-aware: also safe after rank_local sharding)
         with report.phase("postprocess"):
             process_weights_after_loading(module, target_device=context.device)
@@ -258,9 +258,8 @@ class _LoadStep:
             else:
                 module.to(context.device)
                 entry.param_bytes_local = entry.param_bytes_total
-        logger.info("Loaded %s (%s) from %s with %s: %d tensors, %.3f GB read, LoRA targets fused %d, on %s%s",
-                    source.name, entry.class_name, source.folder, strategy, entry.tensors, entry.bytes_read / 1e9,
-                    entry.lora_keys_fused, context.device,
+        logger.info("%s (loaded %s %s from %s on %s%s)", report_line(report, entry), source.name, entry.class_name,
+                    source.folder, context.device,
                     f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
         return module
 

@@ -1,7 +1,10 @@
 """What a load did: seconds per phase, bytes read, peak memory, devices, LoRA and HSDP facts.
 
-One ``LoadReport`` per rank. ``phase("read")`` times a step; ``to_dict()`` is the ``--json`` form and
-``format_table()`` the text form. ``merge_ranks`` combines the per-rank reports of one load.
+One ``LoadReport`` per rank, one ``ComponentReport`` per component in it, in every door (the CLI, the vLLM
+loader, the vllm-omni workers). ``phase("read")`` times a step; ``to_dict()`` is the ``--json`` form,
+``format_table()`` the text form and ``report_line()`` one parseable log line per component (``REPORT_PREFIX``
+then ``key=value`` pairs; the serving proof and the benchmarks read it from server logs). ``merge_ranks``
+combines the per-rank reports of one load.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ the diffusers classes the checkpoint names), ``demo_write`` (the demo's tiny che
 before any rank starts) and ``wall`` (process start to the report)."""
 
 
+REPORT_PREFIX = "diffusion-hsdp load report:"
+"""Starts every ``report_line``."""
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -38,6 +45,7 @@ class ComponentReport:
     param_bytes_total: int = 0
     param_bytes_local: int = 0
     """Parameter bytes this rank holds after sharding (== total without HSDP)."""
+    lora_files: int = 0
     lora_keys_fused: int = 0
     """LoRA *targets* fused (modules whose weight/bias changed; several file keys each). The JSON key keeps
     its historical name; the table heads it "lora targets"."""
@@ -45,6 +53,17 @@ class ComponentReport:
     lora_fallbacks: int = 0
     sharded_blocks: int = 0
     shard_rule: str | None = None
+    read_s: float = 0.0
+    """Seconds reading this component's weights (LoRA fusion excluded)."""
+    lora_s: float = 0.0
+    """Seconds fusing this component's LoRA files."""
+
+    def record_lora(self, stats: Any, seconds: float) -> None:
+        """What fusing this component's LoRA files did (``lora.FuseStats``, or None when nothing was fused here)."""
+        self.lora_s = seconds
+        if stats is not None:
+            self.lora_keys_fused, self.lora_compute_device, self.lora_fallbacks = (
+                stats.targets, stats.compute_device, stats.fallbacks)
 
 
 @dataclass
@@ -87,6 +106,15 @@ class LoadReport:
         data["lora_compute_device"] = next(
             (c.lora_compute_device for c in self.components if c.lora_compute_device), None)
         return data
+
+
+def report_line(report: LoadReport, component: ComponentReport) -> str:
+    """One component on one rank as one parseable line: ``REPORT_PREFIX`` then ``key=value`` pairs."""
+    return (f"{REPORT_PREFIX} component={component.name} rank={report.rank} world_size={report.world_size} "
+            f"strategy={report.strategy} bytes_read={component.bytes_read} tensors={component.tensors} "
+            f"read_s={component.read_s:.3f} lora_s={component.lora_s:.3f} lora_files={component.lora_files} "
+            f"lora_targets={component.lora_keys_fused} lora_device={component.lora_compute_device or '-'} "
+            f"lora_fallbacks={component.lora_fallbacks}")
 
 
 def merge_ranks(reports: list[LoadReport]) -> dict[str, Any]:

@@ -25,43 +25,9 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.report import ComponentReport
 
 logger = init_logger(__name__)
-
-REPORT_PREFIX = "diffusion-hsdp load report:"
-
-
-@dataclass
-class ComponentLoadReport:
-    """One DiT component on this rank (logged as one parseable INFO line)."""
-
-    component: str
-    rank: int = 0
-    world_size: int = 1
-    strategy: str = "full"
-    bytes_read: int = 0
-    tensors: int = 0
-    read_s: float = 0.0
-    lora_s: float = 0.0
-    lora_files: int = 0
-    lora_targets: int = 0
-    lora_device: str = "-"
-    lora_fallbacks: int = 0
-
-    def record_lora(self, stats: Any, seconds: float) -> None:
-        """What fusing this component's LoRA files did (``FuseStats`` or None when nothing was fused here)."""
-        self.lora_s = seconds
-        if stats is not None:
-            self.lora_targets, self.lora_device, self.lora_fallbacks = (stats.targets, stats.compute_device,
-                                                                        stats.fallbacks)
-
-    def line(self) -> str:
-        return (f"{REPORT_PREFIX} component={self.component} rank={self.rank} world_size={self.world_size} "
-                f"strategy={self.strategy} bytes_read={self.bytes_read} tensors={self.tensors} "
-                f"read_s={self.read_s:.3f} lora_s={self.lora_s:.3f} lora_files={self.lora_files} "
-                f"lora_targets={self.lora_targets} lora_device={self.lora_device} "
-                f"lora_fallbacks={self.lora_fallbacks}")
-
 
 @dataclass
 class StreamFuser:
@@ -142,7 +108,7 @@ class DitSource:
     prefix: str
     source: Any
     fuser: StreamFuser | None
-    report: ComponentLoadReport
+    report: ComponentReport
 
 
 def component_name(omni_source: Any) -> str:

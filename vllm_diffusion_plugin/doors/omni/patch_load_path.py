@@ -138,6 +138,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
     from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, weight_load_strategy
     from vllm_diffusion_plugin.engine.pipeline import World
+    from vllm_diffusion_plugin.engine.report import LoadReport
 
     options = omni_load_options(loader)
     od_config = loader.od_config
@@ -154,7 +155,9 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     if bool(getattr(od_config, "enable_broadcast_weight_load", False)) != (strategy == "broadcast"):
         loader.od_config = copy.copy(od_config)
         loader.od_config.enable_broadcast_weight_load = strategy == "broadcast"
-    state = {"options": options, "strategy": strategy, "reports": {}}
+    world = World.current()
+    state = {"options": options, "strategy": strategy,
+             "report": LoadReport(rank=world.rank, world_size=world.world_size, strategy=strategy)}
     setattr(loader, STATE_ATTR, state)
     return state
 
@@ -190,7 +193,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
     """``model``'s DiT sources resolved by us (strict manifests), their LoRA files validated against each DiT's
     diffusers skeleton, one report each: ``load_path.DitSource`` per source. Nothing is read."""
     from vllm_diffusion_plugin.doors.omni import load_path
-    from vllm_diffusion_plugin.engine.pipeline import World
+    from vllm_diffusion_plugin.engine.report import ComponentReport
 
     state = getattr(loader, STATE_ATTR, None) or _prepare(loader, "default")
     options = state["options"]
@@ -205,17 +208,16 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
     resolved = load_path.resolve_sources(omni_sources, allow_pickle=options.allow_pickle)
     names = [load_path.component_name(s) for s in omni_sources]
     loras = _assign_loras(loader, options, names)
-    world = World.current()
     dits = []
     for s, source, name in zip(omni_sources, resolved, names):
         files = [(str(spec.path), spec.scale) for spec in loras.get(name, [])]
-        report = load_path.ComponentLoadReport(component=name, rank=world.rank, world_size=world.world_size,
-                                               strategy=state["strategy"], lora_files=len(files))
+        report = ComponentReport(name=name, class_name=str(source.config.get("_class_name", "?")),
+                                 files=len(source.files), lora_files=len(files))
         fuser = load_path.lora_fuser(source, files, dtype=loader.od_config.dtype, strict=options.lora_strict,
                                      chunk_mb=options.lora_device_chunk_mb,
                                      check_finite=options.lora_check_finite)
         dits.append(load_path.DitSource(name, s.prefix, source, fuser, report))
-        state["reports"][name] = report
+        state["report"].components.append(report)
     return dits
 
 
@@ -286,13 +288,12 @@ def _assign_loras(loader: Any, options: Any, components: list[str]) -> dict[str,
 
 
 def _log_reports(state: dict[str, Any], components: list[str], *, total_s: float) -> None:
-    """One INFO line per DiT component on every rank; a component this rank did not read (a broadcast
-    receiver: vllm-omni did not call ``load_weights`` here) reports ``bytes_read=0``."""
-    from vllm_diffusion_plugin.doors.omni.load_path import ComponentLoadReport
-    from vllm_diffusion_plugin.engine.pipeline import World
+    """One INFO line per DiT component on every rank (``report.report_line``); a component this rank did not
+    read (a broadcast receiver: vllm-omni did not call ``load_weights`` here) reports ``bytes_read=0``."""
+    from vllm_diffusion_plugin.engine.report import ComponentReport, report_line
 
-    world = World.current()
+    report = state["report"]
+    by_name = {c.name: c for c in report.components}
     for name in components:
-        report = state["reports"].get(name) or ComponentLoadReport(
-            component=name, rank=world.rank, world_size=world.world_size, strategy=state["strategy"])
-        logger.info("%s total_s=%.3f", report.line(), total_s)
+        component = by_name.get(name) or ComponentReport(name=name, class_name="?")
+        logger.info("%s total_s=%.3f", report_line(report, component), total_s)
