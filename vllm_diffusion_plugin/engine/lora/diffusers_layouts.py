@@ -67,7 +67,7 @@ def lora_mixin(module_class: type) -> type | None:
     return None
 
 
-def convert(state_dict: Mapping[str, torch.Tensor], mixin: type, *, file: str = "") -> dict[str, torch.Tensor]:
+def convert(state_dict: Mapping[str, torch.Tensor], mixin: type) -> dict[str, torch.Tensor]:
     """``state_dict`` in diffusers/PEFT keys, as ``mixin.lora_state_dict`` converts it (a copy; input untouched).
 
     Alphas the mixin returns apart (FLUX files in diffusers naming) come back as ``<module>.alpha`` keys, so
@@ -84,14 +84,16 @@ def convert(state_dict: Mapping[str, torch.Tensor], mixin: type, *, file: str = 
     try:
         out = mixin.lora_state_dict(dict(state_dict), **kwargs)
     except Exception as exc:  # the converters raise ValueError, KeyError, IndexError ... on layouts they do not read
-        raise LoraConversionError(f"{file or 'LoRA'}: {where} cannot convert it ({type(exc).__name__}: {exc}); "
+        said = " ".join(str(exc).split())  # one line, however diffusers formats it
+        said = said if len(said) <= 300 else said[:300] + " ..."
+        raise LoraConversionError(f"{where} cannot convert these keys ({type(exc).__name__}: {said}); "
                                   f"first keys: {listing}") from exc
     converted, alphas = (out[0], out[1] if kwargs else None) if isinstance(out, tuple) else (out, None)
     converted = dict(converted) | {key: torch.as_tensor(value) for key, value in (alphas or {}).items()}
     before = sum(1 for k in keys if _DOWN.search(k))
     after = sum(1 for k in converted if _DOWN.search(k))
     if after < before:
-        raise LoraConversionError(f"{file or 'LoRA'}: {where} kept {after} of its {before} lora_down/lora_A "
+        raise LoraConversionError(f"{where} kept {after} of the {before} lora_down/lora_A "
                                   f"factors (it drops a layout it does not convert); first keys: {listing}")
     logger.debug("%s converted %d LoRA keys into %d", where, len(keys), len(converted))
     return converted
