@@ -188,11 +188,20 @@ def test_kohya_ambiguity_is_an_error():
         normalize_lora({"lora_unet_a_b_c.lora_down.weight": A, "lora_unet_a_b_c.lora_up.weight": B}, model)
 
 
-def test_kohya_flux_original_naming_needs_diffusers(monkeypatch):
-    monkeypatch.setitem(sys.modules, "diffusers.loaders.lora_conversion_utils", None)  # import -> ImportError
-    sd = {"lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": torch.zeros(2, 4)}
-    with pytest.raises(LoraFormatError, match=r"needs diffusers: pip install 'vllm-diffusion-plugin\[test\]'"):
-        normalize_lora(sd, Tiny())
+def test_layouts_only_diffusers_converts_need_it_in_one_line(monkeypatch):
+    from diffusers import FluxTransformer2DModel
+
+    from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
+
+    with torch.device("meta"):
+        flux = FluxTransformer2DModel(**TINY_CONFIGS["flux"])
+    monkeypatch.setitem(sys.modules, "diffusers.loaders.lora_pipeline", None)  # import -> ImportError
+    sd = {"lora_unet_double_blocks_0_img_attn_proj.lora_down.weight": torch.zeros(2, 32),
+          "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight": torch.zeros(32, 2)}
+    with pytest.raises(UnmatchedLoraKeysError, match=r"lora_unet_double_blocks_0_img_attn_proj.*diffusers, not "
+                       r"installed here.*pip install \"vllm-diffusion-plugin\[cli\]\"") as err:
+        normalize_lora(sd, flux)
+    assert "\n" not in str(err.value)
 
 
 # ---- Wan / LightX2V --------------------------------------------------------------------------------------------

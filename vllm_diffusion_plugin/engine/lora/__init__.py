@@ -1,7 +1,9 @@
 """Distilled-LoRA support: file formats -> normalized deltas, fusion with the device rule (``fuse``).
 
-The normal form and the key dispatch live in ``normal``; one module per format family: ``peft`` (diffusers /
-PEFT keys, reading files and adapter configs), ``kohya``, ``wan`` (Wan / LightX2V names).
+The shared types (``LoraDelta``, ``LoraFile``, the errors) live in ``types``; one leaf module per layout family,
+each importing only ``types``: ``diffusers_layouts`` (diffusers' own converters, through the target's LoRA
+mixin), ``peft`` (diffusers / PEFT keys, reading files and adapter configs), ``kohya``, ``wan`` (Wan / LightX2V
+names); ``normal`` is the one dispatch that imports them.
 
 One call for the load pipeline::
 
@@ -11,7 +13,9 @@ or, step by step: ``load_lora`` -> ``normalize_lora`` (validates everything, tou
 ``fuse_lora`` / ``unfuse_lora``.
 """
 
-from vllm_diffusion_plugin.engine.lora.normal import (
+from vllm_diffusion_plugin.engine.lora.normal import normalize_lora
+from vllm_diffusion_plugin.engine.lora.types import (
+    LoraConversionError,
     LoraDelta,
     LoraFile,
     LoraFormatError,
@@ -21,7 +25,6 @@ from vllm_diffusion_plugin.engine.lora.normal import (
     PartialPackedLoraError,
     UnmatchedLoraKeysError,
     UnsupportedLoraError,
-    normalize_lora,
 )
 from vllm_diffusion_plugin.engine.lora.peft import load_lora, load_lora_state_dict
 from vllm_diffusion_plugin.engine.lora.fuse import (
@@ -37,10 +40,11 @@ from vllm_diffusion_plugin.engine.lora.fuse import (
     resolve_compute_device,
     unfuse_lora,
 )
-from vllm_diffusion_plugin.engine.lora.prepare import NoLoraTargetsError, PreparedLora, prepare_lora_files
+from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora, prepare_lora_files
+from vllm_diffusion_plugin.engine.lora.types import NoLoraTargetsError
 
 __all__ = [
-    "FuseStats", "LoraDelta", "NoLoraTargetsError", "PreparedLora", "fuse_prepared", "prepare_lora_files", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",
+    "FuseStats", "LoraConversionError", "LoraDelta", "NoLoraTargetsError", "PreparedLora", "fuse_prepared", "prepare_lora_files", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",
     "NonFiniteFusionError", "NonFiniteLoraError", "PartialPackedLoraError", "PartiallyFusedError",
     "UnmatchedLoraKeysError", "UnsupportedLoraError", "cpu_kernel", "fuse_lora", "fuse_lora_files", "fuse_weight_",
     "load_lora", "load_lora_state_dict", "normalize_lora", "resolve_compute_device", "unfuse_lora",

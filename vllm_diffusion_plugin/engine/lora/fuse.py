@@ -30,7 +30,8 @@ from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine import platform
-from vllm_diffusion_plugin.engine.lora.normal import LoraDelta
+from vllm_diffusion_plugin.engine.lora.prepare import prepare_lora_files
+from vllm_diffusion_plugin.engine.lora.types import LoraDelta
 from vllm_diffusion_plugin.engine.lora.weight import (
     DeviceFailure,
     LoraFusionError,
@@ -206,8 +207,6 @@ def fuse_lora_files(
     check_finite: bool = False,
 ) -> FuseStats:
     """Load, normalize and validate every LoRA file first (``prepare_lora_files``), then fuse them in order."""
-    from vllm_diffusion_plugin.engine.lora.prepare import prepare_lora_files
-
     items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
     return fuse_prepared(module, prepare_lora_files(module, items, strict=strict, packed_modules=packed_modules),
                          chunk_mb=chunk_mb, check_finite=check_finite)

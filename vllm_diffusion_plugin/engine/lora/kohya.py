@@ -1,20 +1,17 @@
 """kohya LoRA keys: ``lora_unet_<module_with_underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``.
 
-Underscores are mapped back by matching the module's own names (ambiguity is an error). Kohya files in
-original FLUX naming (``lora_unet_double_blocks_*``) go through diffusers' own converter (lazy import).
+Underscores are mapped back by matching the module's own names (ambiguity is an error); ``alias`` turns a
+module name into the naming the file uses (original Wan names for musubi-tuner files). Layouts that need more
+than that (kohya files in original FLUX naming, ``lora_unet_double_blocks_*``) are diffusers' converters' job
+(``diffusers_layouts``). A leaf: it imports only ``types``.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-import torch
-from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora.normal import LoraFormatError
-from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name
-
-logger = init_logger(__name__)
+from vllm_diffusion_plugin.engine.lora.types import LoraFormatError
 
 KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 
@@ -22,8 +19,8 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_")
 class KohyaNames:
     """kohya's underscored module paths -> the target's dotted names (built on first use)."""
 
-    def __init__(self, names: Iterable[str], *, wan: bool) -> None:
-        self.names, self.wan = names, wan
+    def __init__(self, names: Iterable[str], *, alias: Callable[[str], str] | None = None) -> None:
+        self.names, self.alias = names, alias
         self._table: dict[str, list[str]] | None = None
 
     @staticmethod
@@ -32,11 +29,11 @@ class KohyaNames:
         return path.startswith(KOHYA_PREFIXES)
 
     def lookup(self, path: str) -> str | None:
-        """The dotted name (Wan naming when ``wan``) a ``lora_unet_``/``lora_transformer_`` path stands for."""
+        """The dotted name (in ``alias`` naming) a ``lora_unet_``/``lora_transformer_`` path stands for."""
         if self._table is None:
             table: dict[str, list[str]] = defaultdict(list)
             for name in self.names:
-                alias = diffusers_to_wan_name(name) if self.wan else name
+                alias = self.alias(name) if self.alias else name
                 if name:
                     table[alias.replace(".", "_")].append(alias)
             self._table = table
@@ -45,17 +42,3 @@ class KohyaNames:
         if len(found) > 1:
             raise LoraFormatError(f"kohya key prefix {path!r} is ambiguous: it matches modules {sorted(found)}")
         return found[0] if found else None
-
-
-def maybe_convert_kohya_flux(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Kohya files in original FLUX naming need diffusers' converter (q/k/v splits, alpha baked in)."""
-    if not any(k.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) for k in state_dict):
-        return state_dict
-    try:
-        from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
-    except ImportError as exc:
-        raise LoraFormatError(
-            "This LoRA is a kohya file in original FLUX naming (lora_unet_double_blocks_*); converting it needs "
-            "diffusers: pip install 'vllm-diffusion-plugin[test]' (or the [cli] extra)") from exc
-    logger.info("Converting a kohya FLUX LoRA (%d keys) with diffusers' converter", len(state_dict))
-    return _convert_kohya_flux_lora_to_diffusers(dict(state_dict))

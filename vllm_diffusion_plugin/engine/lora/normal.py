@@ -1,7 +1,11 @@
 """LoRA files in every supported layout -> one normalized, validated form: a ``LoraDelta`` per target.
 
-Layouts (detected per key, mixed files allowed), one module per family:
+The dispatch. Layouts, one leaf module each (they import only ``types``):
 
+- diffusers' own converters (``diffusers_layouts``): for a target whose diffusers class has a LoRA mixin
+  (FLUX, Wan, Qwen-Image, Z-Image, ...), every key but ``.diff`` / ``.diff_b`` goes through that mixin's
+  ``lora_state_dict`` first (kohya / ComfyUI / XLabs FLUX, original Wan / LightX2V, musubi-tuner, Qwen-Image and
+  Z-Image original naming, ...); what it returns is read by the grammar below;
 - diffusers / PEFT (``peft``): ``[prefix.]<module>.lora_A.weight`` / ``lora_B.weight``, ``.alpha``,
   ``lora_B.bias``; files and adapter configs are read there (``load_lora``);
 - kohya (``kohya``): ``lora_unet_<module_with_underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``;
@@ -9,9 +13,13 @@ Layouts (detected per key, mixed files allowed), one module per family:
 - packed targets (``packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``, here): per-slice deltas are
   stacked exactly: ``A = cat(A_i)`` along dim 0 and ``B`` block-diagonal, so ``B @ A = cat(B_i @ A_i)``.
 
+Keys of adapters that are not ``B @ A`` (``_NOT_B_AT_A``: LoKr, LoHa, DoRA, ...) are split off first, before any
+converter sees them (diffusers' drop DoRA scales with a warning); today they are refused.
+
 Scale convention: with an ``.alpha`` entry, ``scale = alpha / rank``; else the adapter config's
 ``lora_alpha / r`` (PEFT ``rank_pattern``/``alpha_pattern``/``use_rslora`` honoured); else 1.0 -- always
-times the caller's ``scale``. ``.diff``/``.diff_b`` are multiplied by the caller's ``scale`` only.
+times the caller's ``scale``. Converters that bake ``alpha / rank`` into ``A`` and ``B`` leave no ``.alpha``.
+``.diff``/``.diff_b`` are multiplied by the caller's ``scale`` only.
 """
 
 from __future__ import annotations
@@ -20,78 +28,34 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora.wan import uses_wan_naming, wan_to_diffusers_name
+from vllm_diffusion_plugin.engine.lora import diffusers_layouts
+from vllm_diffusion_plugin.engine.lora.kohya import KohyaNames
+from vllm_diffusion_plugin.engine.lora.peft import config_scale
+from vllm_diffusion_plugin.engine.lora.types import (
+    LoraConversionError,
+    LoraDelta,
+    LoraFile,
+    LoraFormatError,
+    LoraRankError,
+    LoraShapeError,
+    NonFiniteLoraError,
+    PartialPackedLoraError,
+    UnmatchedLoraKeysError,
+    UnsupportedLoraError,
+)
+from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name, uses_wan_naming, wan_to_diffusers_name
 
 logger = init_logger(__name__)
 
-__all__ = [
-    "LoraDelta", "LoraFile", "LoraFormatError", "LoraRankError", "LoraShapeError", "NonFiniteLoraError",
-    "PartialPackedLoraError", "UnmatchedLoraKeysError", "UnsupportedLoraError", "normalize_lora",
+__all__ = [  # the types are re-exported: ``from ...lora.normal import LoraDelta`` keeps working
+    "LoraConversionError", "LoraDelta", "LoraFile", "LoraFormatError", "LoraRankError", "LoraShapeError",
+    "NonFiniteLoraError", "PartialPackedLoraError", "UnmatchedLoraKeysError", "UnsupportedLoraError",
+    "normalize_lora",
 ]
-
-
-class LoraFormatError(ValueError):
-    """A LoRA file that cannot be mapped onto the module; raised before any weight is touched."""
-
-
-class UnmatchedLoraKeysError(LoraFormatError):
-    """Keys that match no module of the target (strict mode)."""
-
-
-class LoraShapeError(LoraFormatError):
-    """A LoRA tensor whose shape does not fit the target weight or bias."""
-
-
-class LoraRankError(LoraFormatError):
-    """``lora_A`` and ``lora_B`` (or the adapter config) disagree on the rank."""
-
-
-class NonFiniteLoraError(LoraFormatError):
-    """A LoRA tensor or alpha holding NaN or inf."""
-
-
-class PartialPackedLoraError(LoraFormatError):
-    """Some, not all, slices of a packed (fused q/k/v or gate/up) target carry a delta."""
-
-
-class UnsupportedLoraError(LoraFormatError):
-    """A LoRA variant that cannot be fused as ``W + s * B @ A`` (DoRA, LoHa, LoKr, ...)."""
-
-
-@dataclass(frozen=True, eq=False)
-class LoraDelta:
-    """The update of one target: ``W += scale * B @ A``; ``bias += bias_delta``; ``W += full_delta``.
-
-    ``A`` is ``(rank, in_features)``, ``B`` is ``(out_features, rank)``, both None for a target with only
-    full/bias deltas. ``scale`` multiplies ``B @ A`` only; ``bias_delta`` and ``full_delta`` are final
-    (already multiplied by their scale). ``source_keys`` are the file keys it came from (for messages).
-    """
-
-    A: torch.Tensor | None
-    B: torch.Tensor | None
-    scale: float
-    bias_delta: torch.Tensor | None = None
-    full_delta: torch.Tensor | None = None
-    source_keys: tuple[str, ...] = ()
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.A is None else int(self.A.shape[0])
-
-
-@dataclass(frozen=True)
-class LoraFile:
-    """A loaded LoRA: its tensors and, when the file carries one, its PEFT adapter config."""
-
-    path: Path
-    state_dict: dict[str, torch.Tensor]
-    adapter_config: dict | None
 
 
 # ---- key grammar (shared by every family) -----------------------------------------------------------
@@ -103,8 +67,10 @@ _KIND_SUFFIXES = (  # (regex on the key's tail, kind); the module path is what p
     (re.compile(r"\.diff_b$"), "diff_b"),
     (re.compile(r"\.diff$"), "diff"),
 )
-_UNSUPPORTED = re.compile(r"dora_scale|lora_magnitude_vector|lora_mid|hada_|lokr_|lora_embedding_|\.oft_")
+_NOT_B_AT_A = re.compile(r"dora_scale|lora_magnitude_vector|lora_mid|hada_|lokr_|lora_embedding_|\.oft_")
+_FULL_DELTAS = re.compile(r"\.diff(?:_b)?$")  # ours in every layout: converters drop them (norms) or never read them
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.")
+
 
 def _split_key(key: str) -> tuple[str, str] | None:
     for pattern, kind in _KIND_SUFFIXES:
@@ -127,27 +93,26 @@ def _strip_prefixes(path: str) -> str:
 class _Targets:
     """Maps a key's module path onto the module: ``(target name, packed slice index | None)`` or None."""
 
-    def __init__(self, module: nn.Module, packed: Mapping[str, Sequence[str]], wan: bool) -> None:
-        from vllm_diffusion_plugin.engine.lora.kohya import KohyaNames  # kohya imports this module's errors
-
+    def __init__(self, module: nn.Module, packed: Mapping[str, Sequence[str]]) -> None:
         self.modules = dict(module.named_modules())
         self.params = dict(module.named_parameters())
-        self.wan = wan
         self.slices: dict[str, tuple[str, int]] = {}  # virtual slice name -> (packed module, index)
         for name in self.modules:
             parent, _, leaf = name.rpartition(".")
             for i, sub in enumerate(packed.get(leaf, ())):
                 self.slices[f"{parent}.{sub}" if parent else sub] = (name, i)
-        self.kohya = KohyaNames((*self.modules, *self.params, *self.slices), wan=wan)
+        names = (*self.modules, *self.params, *self.slices)
+        self.kohya = {False: KohyaNames(names), True: KohyaNames(names, alias=diffusers_to_wan_name)}
 
-    def resolve(self, path: str) -> tuple[str, int | None] | None:
-        if self.kohya.claims(path):
-            found = self.kohya.lookup(path)
+    def resolve(self, path: str, *, wan: bool) -> tuple[str, int | None] | None:
+        """``wan``: the path may be in original Wan naming (tried first, then as is)."""
+        if KohyaNames.claims(path):
+            found = self.kohya[wan].lookup(path)
             if found is None:
                 return None
             path = found
         path = _strip_prefixes(path)
-        for name in ((wan_to_diffusers_name(path), path) if self.wan else (path,)):
+        for name in ((wan_to_diffusers_name(path), path) if wan else (path,)):
             if name in self.modules or name in self.params:
                 return name, None
             if name in self.slices:
@@ -158,6 +123,30 @@ class _Targets:
 def _finite(key: str, t: torch.Tensor) -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise NonFiniteLoraError(f"LoRA tensor {key} {tuple(t.shape)} holds NaN or inf")
+
+
+def _refuse_not_b_at_a(state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Keys of adapters that are not ``B @ A``: the place a leaf fusing them exactly plugs in."""
+    found = [k for k in state_dict if _NOT_B_AT_A.search(k)]
+    if found:
+        raise UnsupportedLoraError(f"LoRA variant not fusable as W + s*B@A (DoRA/LoHa/LoKr/...): {found[:20]}")
+
+
+def _layout_entries(state_dict: dict[str, torch.Tensor], module: nn.Module, wan: bool,
+                    ) -> tuple[list[tuple[str, torch.Tensor, bool]], str, LoraConversionError | None]:
+    """``(key, tensor, may be Wan naming)`` to resolve, where they come from (for messages), and diffusers'
+    refusal if its converter could not read the file (then the keys are read as they are)."""
+    as_is = [(k, v, wan) for k, v in state_dict.items()]
+    mixin = diffusers_layouts.lora_mixin(type(module))
+    convertible = {k: v for k, v in state_dict.items() if not _FULL_DELTAS.search(k)}
+    if mixin is None or not convertible:
+        return as_is, "", None
+    try:
+        converted = diffusers_layouts.convert(convertible, mixin)
+    except LoraConversionError as exc:
+        return as_is, "", exc
+    kept = [(k, v, wan) for k, v in state_dict.items() if k not in convertible]
+    return [(k, v, False) for k, v in converted.items()] + kept, f" (as diffusers' {mixin.__name__} converts them)", None
 
 
 def normalize_lora(
@@ -176,22 +165,19 @@ def normalize_lora(
     that matches no module is an error (else a warning, and it is skipped). Shapes, ranks and finiteness
     are always checked; unsupported LoRA variants and partial packed slices are always errors.
     """
-    from vllm_diffusion_plugin.engine.lora.kohya import maybe_convert_kohya_flux
-
     if not math.isfinite(scale):
         raise NonFiniteLoraError(f"LoRA scale {scale} is not finite")
-    state_dict = maybe_convert_kohya_flux(dict(state_dict))
-    unsupported = [k for k in state_dict if _UNSUPPORTED.search(k)]
-    if unsupported:
-        raise UnsupportedLoraError(f"LoRA variant not fusable as W + s*B@A (DoRA/LoHa/LoKr/...): {unsupported[:20]}")
+    state_dict = dict(state_dict)
+    _refuse_not_b_at_a(state_dict)
     packed = dict(packed_modules or {})
     wan = uses_wan_naming(_strip_prefixes(k) for k in state_dict)
-    targets = _Targets(module, packed, wan)
+    entries, via, refusal = _layout_entries(state_dict, module, wan)
+    targets = _Targets(module, packed)
     groups: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = defaultdict(dict)
     unmatched = []
-    for key, tensor in state_dict.items():
+    for key, tensor, maybe_wan in entries:
         split = _split_key(key)
-        found = targets.resolve(split[0]) if split else None
+        found = targets.resolve(split[0], wan=maybe_wan) if split else None
         if found is None:
             unmatched.append(key)
             continue
@@ -201,11 +187,18 @@ def normalize_lora(
         groups[found][split[1]] = (key, tensor)
     if unmatched:
         listing = ", ".join(unmatched[:20]) + (f" (and {len(unmatched) - 20} more)" if len(unmatched) > 20 else "")
-        message = (f"{len(unmatched)} of {len(state_dict)} LoRA keys match no module of "
+        message = (f"{len(unmatched)} of {len(entries)} LoRA keys{via} match no module of "
                    f"{type(module).__name__}: {listing}")
+        if refusal is not None:
+            message += f"; {refusal}"
+        elif not diffusers_layouts.diffusers_available():
+            message += (f"; diffusers, not installed here, converts more layouts (kohya / ComfyUI / XLabs FLUX, "
+                        f"Z-Image and Qwen-Image original naming, ...): {diffusers_layouts.INSTALL_HINT}")
         if strict:
             raise UnmatchedLoraKeysError(message)
         logger.warning("%s; skipping them (strict=False)", message)
+    elif refusal is not None:
+        logger.info("Read the LoRA keys with our own grammar: %s", refusal)
 
     per_target: dict[str, dict[int | None, tuple[torch.Tensor | None, ...]]] = defaultdict(dict)
     for (name, index), parts in groups.items():
@@ -217,8 +210,8 @@ def normalize_lora(
             deltas[name] = _checked(LoraDelta(A, B, s, bias, full, keys), name, targets)
         else:
             deltas[name] = _checked(_pack(name, slices, packed, targets), name, targets)
-    logger.info("Normalized %d LoRA keys into %d targets of %s (scale %s, wan naming: %s)",
-                len(state_dict) - len(unmatched), len(deltas), type(module).__name__, scale, wan)
+    logger.info("Normalized %d LoRA keys into %d targets of %s (scale %s, wan naming: %s)%s",
+                len(entries) - len(unmatched), len(deltas), type(module).__name__, scale, wan, via)
     return deltas
 
 
@@ -245,8 +238,6 @@ def _slice_delta(name: str, parts: dict, scale: float, config: Mapping | None) -
                 raise LoraShapeError(f"{ka} must hold one number, got shape {tuple(alpha.shape)}")
             ab_scale = scale * float(alpha.item()) / rank
         elif config:
-            from vllm_diffusion_plugin.engine.lora.peft import config_scale  # peft imports this module's types
-
             ab_scale = scale * config_scale(config, [name, _strip_prefixes(_split_key(kb)[0])], rank, keys)
     bias = None
     if "lora_bias" in parts:

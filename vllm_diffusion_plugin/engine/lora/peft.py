@@ -3,7 +3,8 @@
 Keys ``[prefix.]<module>.lora_A.weight`` / ``lora_B.weight`` (prefix ``transformer.``, ``base_model.model.``,
 ``diffusion_model.``, ... or none), optional ``<module>.alpha`` and ``lora_B.bias`` (PEFT ``lora_bias``, scaled
 like ``B @ A``); the key grammar itself is ``normal``'s. Without an ``.alpha`` entry the scale is the adapter
-config's ``lora_alpha / r`` (``rank_pattern``/``alpha_pattern``/``use_rslora`` honoured).
+config's ``lora_alpha / r`` (``rank_pattern``/``alpha_pattern``/``use_rslora`` honoured). A leaf: it imports only
+``types``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora.normal import LoraFile, LoraFormatError, LoraRankError
+from vllm_diffusion_plugin.engine.lora.types import LoraFile, LoraFormatError, LoraRankError
 
 logger = init_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``prepare_lora_files`` is the one place every door turns LoRA files into deltas: it reads each file (a file
 that is not safetensors is an error naming it), maps its keys onto the module and checks every shape and rank
-(``formats.normalize_lora``), and refuses a file that would fuse nothing -- a LoRA silently dropped is a wrong
+(``normal.normalize_lora``), and refuses a file that would fuse nothing -- a LoRA silently dropped is a wrong
 result with exit code 0. With ``strict=False`` (``lora_strict=false``) unmatched keys and a file that fuses
 nothing are warnings instead. The deltas do not depend on the module instance, so a load validates them on
 its meta skeleton first and fuses the same deltas into the loaded weights later.
@@ -17,16 +17,13 @@ from pathlib import Path
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora.normal import LoraDelta, LoraFormatError, normalize_lora
+from vllm_diffusion_plugin.engine.lora.normal import normalize_lora
 from vllm_diffusion_plugin.engine.lora.peft import load_lora
+from vllm_diffusion_plugin.engine.lora.types import LoraDelta, NoLoraTargetsError
 
 logger = init_logger(__name__)
 
 __all__ = ["NoLoraTargetsError", "PreparedLora", "prepare_lora_files"]
-
-
-class NoLoraTargetsError(LoraFormatError):
-    """A LoRA file none of whose keys fuses into the module (strict mode)."""
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 ``ffn.0``, ``head.head``, ...), with ``lora_down/lora_up`` or ``lora_A/lora_B``, ``.alpha``, ``.diff_b`` (bias
 deltas) and ``.diff`` (full deltas), renamed to diffusers ``WanTransformer3DModel`` names.
 
-diffusers' ``_convert_non_diffusers_wan_lora_to_diffusers`` is not used: it drops ``.diff`` keys and norm
-deltas. The rename table below is checked against diffusers' ``convert_wan_transformer_to_diffusers`` in tests.
+With diffusers installed, the ``B @ A`` part of these files is converted by diffusers' own
+``WanLoraLoaderMixin.lora_state_dict`` (``diffusers_layouts``); this table renames what that converter drops
+(``.diff`` keys, norm deltas) or never sees (every ``.diff`` / ``.diff_b`` key stays ours), and is the whole path
+without diffusers. It is checked against diffusers' ``convert_wan_transformer_to_diffusers`` in tests. A leaf:
+it imports nothing of this package.
 """
 
 from __future__ import annotations

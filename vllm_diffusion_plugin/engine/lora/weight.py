@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora.normal import LoraDelta
+from vllm_diffusion_plugin.engine.lora.types import LoraDelta
 
 logger = init_logger(__name__)
 

@@ -1,0 +1,84 @@
+"""The shared LoRA types: the normal form (``LoraDelta``), a read file (``LoraFile``) and every format error.
+
+Every layout module (``peft``, ``kohya``, ``wan``, ``diffusers_layouts``) and the dispatch (``normal``) import
+from here and from nowhere else in this package, so the package has no import circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "LoraConversionError", "LoraDelta", "LoraFile", "LoraFormatError", "LoraRankError", "LoraShapeError",
+    "NoLoraTargetsError", "NonFiniteLoraError", "PartialPackedLoraError", "UnmatchedLoraKeysError",
+    "UnsupportedLoraError",
+]
+
+
+class LoraFormatError(ValueError):
+    """A LoRA file that cannot be mapped onto the module; raised before any weight is touched."""
+
+
+class UnmatchedLoraKeysError(LoraFormatError):
+    """Keys that match no module of the target (strict mode)."""
+
+
+class LoraShapeError(LoraFormatError):
+    """A LoRA tensor whose shape does not fit the target weight or bias."""
+
+
+class LoraRankError(LoraFormatError):
+    """``lora_A`` and ``lora_B`` (or the adapter config) disagree on the rank."""
+
+
+class NonFiniteLoraError(LoraFormatError):
+    """A LoRA tensor or alpha holding NaN or inf."""
+
+
+class PartialPackedLoraError(LoraFormatError):
+    """Some, not all, slices of a packed (fused q/k/v or gate/up) target carry a delta."""
+
+
+class UnsupportedLoraError(LoraFormatError):
+    """A LoRA variant that cannot be fused as ``W + s * B @ A`` (DoRA, LoHa, LoKr, ...)."""
+
+
+class LoraConversionError(LoraFormatError):
+    """A layout only diffusers' converters read, and they could not (diffusers missing, refused, or dropped keys)."""
+
+
+class NoLoraTargetsError(LoraFormatError):
+    """A LoRA file none of whose keys fuses into the module (strict mode)."""
+
+
+@dataclass(frozen=True, eq=False)
+class LoraDelta:
+    """The update of one target: ``W += scale * B @ A``; ``bias += bias_delta``; ``W += full_delta``.
+
+    ``A`` is ``(rank, in_features)``, ``B`` is ``(out_features, rank)``, both None for a target with only
+    full/bias deltas. ``scale`` multiplies ``B @ A`` only; ``bias_delta`` and ``full_delta`` are final
+    (already multiplied by their scale). ``source_keys`` are the file keys it came from (for messages).
+    """
+
+    A: torch.Tensor | None
+    B: torch.Tensor | None
+    scale: float
+    bias_delta: torch.Tensor | None = None
+    full_delta: torch.Tensor | None = None
+    source_keys: tuple[str, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.A is None else int(self.A.shape[0])
+
+
+@dataclass(frozen=True)
+class LoraFile:
+    """A loaded LoRA: its tensors and, when the file carries one, its PEFT adapter config."""
+
+    path: Path
+    state_dict: dict[str, torch.Tensor]
+    adapter_config: dict | None
