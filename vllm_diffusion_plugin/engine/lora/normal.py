@@ -6,8 +6,15 @@ Layouts (detected per key, mixed files allowed), one module per family:
   ``lora_B.bias``; files and adapter configs are read there (``load_lora``);
 - kohya (``kohya``): ``lora_unet_<module_with_underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``;
 - Wan / LightX2V (``wan``): ``diffusion_model.*`` keys in original Wan naming, ``.diff_b`` / ``.diff`` deltas;
+- LyCORIS LoKr / LoHa (``lycoris``): ``<module>.lokr_w1`` ... / ``hada_w1_a`` ..., kept factored as a full delta
+  (``lycoris.FactoredDelta``) that the fusion materializes row chunk by row chunk;
 - packed targets (``packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``, here): per-slice deltas are
   stacked exactly: ``A = cat(A_i)`` along dim 0 and ``B`` block-diagonal, so ``B @ A = cat(B_i @ A_i)``.
+
+Refused, naming the keys (``UnsupportedLoraError``): DoRA (``lora_magnitude_vector`` / ``dora_scale``: the fused
+weight ``m * (W + s*B@A) / ||W + s*B@A||`` is no delta -- it depends on the base weight and on every file fused
+before it, cannot be unfused by subtraction, and LyCORIS's input-axis norm needs whole columns, which
+``rank_local`` rows do not hold), ``lora_mid`` / Tucker forms, embedding LoRAs, OFT.
 
 Scale convention: with an ``.alpha`` entry, ``scale = alpha / rank``; else the adapter config's
 ``lora_alpha / r`` (PEFT ``rank_pattern``/``alpha_pattern``/``use_rslora`` honoured); else 1.0 -- always
@@ -70,7 +77,10 @@ class LoraDelta:
 
     ``A`` is ``(rank, in_features)``, ``B`` is ``(out_features, rank)``, both None for a target with only
     full/bias deltas. ``scale`` multiplies ``B @ A`` only; ``bias_delta`` and ``full_delta`` are final
-    (already multiplied by their scale). ``source_keys`` are the file keys it came from (for messages).
+    (already multiplied by their scale); ``full_delta`` is a tensor or, for LoKr / LoHa, a
+    ``lycoris.FactoredDelta`` (materialized only while it is fused). ``source_keys`` are the file keys it came
+    from and ``origin`` the file and component (``LoRA file PATH for COMPONENT``, set by ``prepare_lora_files``),
+    for messages.
     """
 
     A: torch.Tensor | None
@@ -79,6 +89,7 @@ class LoraDelta:
     bias_delta: torch.Tensor | None = None
     full_delta: torch.Tensor | None = None
     source_keys: tuple[str, ...] = ()
+    origin: str = ""
 
     @property
     def rank(self) -> int:
@@ -103,15 +114,23 @@ _KIND_SUFFIXES = (  # (regex on the key's tail, kind); the module path is what p
     (re.compile(r"\.diff_b$"), "diff_b"),
     (re.compile(r"\.diff$"), "diff"),
 )
-_UNSUPPORTED = re.compile(r"dora_scale|lora_magnitude_vector|lora_mid|hada_|lokr_|lora_embedding_|\.oft_")
+_UNSUPPORTED = (  # (pattern, variant): refused, see the module doc
+    (re.compile(r"dora_scale|lora_magnitude_vector"), "DoRA (the fused weight m * (W + s*B@A) / ||W + s*B@A|| "
+                                                       "is no delta: merge it into the checkpoint instead)"),
+    (re.compile(r"lora_mid"), "LoCon Tucker (lora_mid)"),
+    (re.compile(r"lora_embedding_"), "embedding LoRA"),
+    (re.compile(r"\.oft_"), "OFT"),
+)
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.")
 
 def _split_key(key: str) -> tuple[str, str] | None:
+    from vllm_diffusion_plugin.engine.lora.lycoris import split_key  # lycoris imports this module's types
+
     for pattern, kind in _KIND_SUFFIXES:
         m = pattern.search(key)
         if m:
             return key[: m.start()], kind
-    return None
+    return split_key(key)
 
 
 def _strip_prefixes(path: str) -> str:
@@ -181,9 +200,11 @@ def normalize_lora(
     if not math.isfinite(scale):
         raise NonFiniteLoraError(f"LoRA scale {scale} is not finite")
     state_dict = maybe_convert_kohya_flux(dict(state_dict))
-    unsupported = [k for k in state_dict if _UNSUPPORTED.search(k)]
-    if unsupported:
-        raise UnsupportedLoraError(f"LoRA variant not fusable as W + s*B@A (DoRA/LoHa/LoKr/...): {unsupported[:20]}")
+    for pattern, variant in _UNSUPPORTED:
+        unsupported = [k for k in state_dict if pattern.search(k)]
+        if unsupported:
+            raise UnsupportedLoraError(f"{variant} is not fused; {len(unsupported)} such key(s): "
+                                       f"{', '.join(unsupported[:5])}")
     packed = dict(packed_modules or {})
     wan = uses_wan_naming(_strip_prefixes(k) for k in state_dict)
     targets = _Targets(module, packed, wan)
@@ -225,13 +246,18 @@ def normalize_lora(
 def _slice_delta(name: str, parts: dict, scale: float, config: Mapping | None) -> tuple:
     for kind, (key, tensor) in parts.items():
         _finite(key, tensor)
+    keys = tuple(key for key, _ in parts.values())
+    if any(kind.startswith(("lokr_", "hada_")) for kind in parts):
+        from vllm_diffusion_plugin.engine.lora.lycoris import factored_delta  # lycoris imports this module's types
+
+        bias = _scaled(parts["diff_b"][1], scale) if "diff_b" in parts else None
+        return None, None, scale, bias, factored_delta(name, parts, scale=scale, config=config), keys
     A, B = parts.get("A"), parts.get("B")
     if (A is None) != (B is None):
         have, miss = ("lora_A/lora_down", "lora_B/lora_up") if B is None else ("lora_B/lora_up", "lora_A/lora_down")
         raise LoraFormatError(f"{(A or B)[0]} has {have} but no {miss} for {name}")
     if "alpha" in parts and A is None:
         raise LoraFormatError(f"{parts['alpha'][0]} gives an alpha for {name} but there is no lora_A/lora_B")
-    keys = tuple(key for key, _ in parts.values())
     ab_scale = scale
     if A is not None:
         (ka, a), (kb, b) = A, B
@@ -308,6 +334,10 @@ def _pack(name: str, slices: dict, packed: Mapping[str, Sequence[str]], targets:
         parts = [slices[i][index] for i in range(len(sub_names))]
         if all(p is None for p in parts):
             return None
+        if any(p is not None and not isinstance(p, torch.Tensor) for p in parts):
+            from vllm_diffusion_plugin.engine.lora.lycoris import stack_rows  # a LoKr / LoHa slice: kept factored
+
+            return stack_rows(parts, outs)
         like = next(p for p in parts if p is not None)
         return torch.cat([p if p is not None else like.new_zeros((o, *like.shape[1:])) for p, o in zip(parts, outs)])
 
