@@ -242,3 +242,31 @@ def test_forms_we_do_not_fuse_are_one_line_naming_file_and_key(case, tmp_path):
     assert "\n" not in message
     assert message.startswith(f"LoRA file {path} for transformer (Net): "), message
     assert re.search(pattern, message), message
+
+
+def test_cli_fuses_a_lokr_and_a_loha_into_a_tiny_wan_pipeline_equal_to_peft(tiny_wan_dir, tmp_path, capsys,
+                                                                              monkeypatch):
+    """End to end through ``vllm-diffusion load --lora A --lora B --save-fused``: LoKr for ``transformer``, LoHa for
+    ``transformer_2`` (by position), each equal to peft's merge on the diffusers DiT itself."""
+    from diffusers import WanTransformer3DModel
+
+    from vllm_diffusion_plugin.doors import cli
+
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+    expected, files = {}, []
+    for name, kind, config in (("transformer", "lokr", dict(r=1, alpha=2)),
+                               ("transformer_2", "loha", dict(r=2, alpha=3))):
+        peft_model = peft_lycoris(WanTransformer3DModel.from_pretrained(tiny_wan_dir / name), kind, seed=7,
+                                  target_modules=targets, **config)
+        files.append(write_lycoris_file(tmp_path / f"{name}_{kind}.safetensors", peft_model))
+        expected[name] = peft_model.merge_and_unload().state_dict()
+    out = tmp_path / "fused"
+    assert cli.main(["load", str(tiny_wan_dir), *(f"--lora={f}" for f in files), "--device", "cpu",
+                     "--dtype", "float32", "--save-fused", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lora_keys_fused"] == sum(len({k.rpartition(".")[0] for k in load_file(f)}) for f in files) == 40
+    for name, merged in expected.items():
+        base = WanTransformer3DModel.from_pretrained(tiny_wan_dir / name).state_dict()
+        ours = WanTransformer3DModel.from_pretrained(out / name).state_dict()
+        assert_equal_to(ours, merged, base)
