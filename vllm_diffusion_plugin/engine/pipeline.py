@@ -112,7 +112,7 @@ def prepare_loras(source: ComponentSource, specs: Sequence[LoraSpec], *, dtype: 
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     skeleton = build_component(source, dtype=dtype, device="meta")
-    return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict)
+    return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict, component=source.name)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ no knowledge of vllm-omni's packing. Online quantization then quantizes the fuse
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +60,6 @@ class StreamFuser:
         hits = self._by_tensor.pop(name, None)
         if hits is None:
             return tensor
-        from vllm_diffusion_plugin.engine.lora import LoraDelta
         from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
 
         start = time.perf_counter()
@@ -72,8 +72,7 @@ class StreamFuser:
                 continue
             holder = nn.Module()
             holder.weight = nn.Parameter(tensor, requires_grad=False)
-            stats = fuse_lora(holder, {"": LoraDelta(delta.A, delta.B, delta.scale, None, delta.full_delta,
-                                                     delta.source_keys)}, chunk_mb=self.chunk_mb,
+            stats = fuse_lora(holder, {"": dataclasses.replace(delta, bias_delta=None)}, chunk_mb=self.chunk_mb,
                               check_finite=self.check_finite, log=False)
             self.stats = stats if self.stats is None else self.stats + stats
             tensor = holder.weight.data
@@ -95,7 +94,7 @@ def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: t
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     skeleton = build_component(source, dtype=dtype, device="meta")
-    deltas = [lora.deltas for lora in prepare_lora_files(skeleton, lora_files, strict=strict)]
+    deltas = [lora.deltas for lora in prepare_lora_files(skeleton, lora_files, strict=strict, component=source.name)]
     return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
                        chunk_mb=chunk_mb, check_finite=check_finite)
 

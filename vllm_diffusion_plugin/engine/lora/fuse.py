@@ -14,12 +14,15 @@ its first row not yet written back (chunks are written only after they were full
 warning per call. Never a crash, never a wrong result.
 
 Per weight, the CPU kernel choice and the integrity rule (no second pass over every weight) live in
-``weight.py`` (``fuse_weight_``); every failure once a weight of the call was modified raises
-``PartiallyFusedError`` (the load must be aborted).
+``weight.py`` (``fuse_weight_``; ``fuse_factored_`` for LoKr / LoHa full deltas kept factored, which follow the
+same device rule and fallback); every failure once a weight of the call was modified raises
+``PartiallyFusedError`` (the load must be aborted). Errors name the LoRA file and component a delta came from
+(``LoraDelta.origin``) when it is known.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +44,7 @@ from vllm_diffusion_plugin.engine.lora.weight import (
     add_full,
     cpu_kernel,
     factor_maxima,
+    fuse_factored_,
     fuse_weight_,
     lora_bound,
 )
@@ -87,32 +91,56 @@ def resolve_compute_device() -> torch.device | None:
 
 
 # ---- the module-level API ------------------------------------------------------------------------------
+def _from_file(exc: Exception, delta: LoraDelta) -> Exception:
+    """``exc`` (same type) naming the LoRA file and component of ``delta`` first, when known and not yet named."""
+    if not delta.origin or delta.origin in str(exc):
+        return exc
+    return type(exc)(f"{delta.origin}: {exc}")
+
+
+def _is_factored(full_delta) -> bool:
+    return full_delta is not None and not isinstance(full_delta, torch.Tensor)
+
+
+def _target(module: nn.Module, modules: Mapping, params: Mapping, name: str, delta: LoraDelta) -> tuple:
+    """``(name, weight, bias, delta)`` for one target, after every check that needs no arithmetic."""
+    owner = modules.get(name)
+    weight = getattr(owner, "weight", None) if owner is not None else params.get(name)
+    bias = getattr(owner, "bias", None) if owner is not None else None
+    if not isinstance(weight, torch.Tensor):
+        raise LoraFusionError(f"LoRA target {name} is not a module with a weight nor a parameter of "
+                              f"{type(module).__name__}")
+    if type(weight.data) is not torch.Tensor or weight.device.type == "meta":
+        raise LoraFusionError(f"{name}.weight is a {type(weight.data).__name__} on {weight.device}: fuse LoRA "
+                              f"on plain materialized tensors, before sharding")
+    if delta.A is not None and (weight.dim() != 2 or tuple(weight.shape) != (delta.B.shape[0], delta.A.shape[1])):
+        raise LoraFusionError(f"{name}.weight is {tuple(weight.shape)} but B @ A is "
+                              f"({delta.B.shape[0]}, {delta.A.shape[1]})")
+    if delta.full_delta is not None and delta.full_delta.shape != weight.shape:
+        raise LoraFusionError(f"{name}: full delta {tuple(delta.full_delta.shape)} vs weight {tuple(weight.shape)}")
+    if delta.bias_delta is not None and (bias is None or delta.bias_delta.shape != bias.shape):
+        raise LoraFusionError(f"{name}: bias delta {tuple(delta.bias_delta.shape)} but the module's bias is "
+                              f"{None if bias is None else tuple(bias.shape)}")
+    if _is_factored(delta.full_delta):
+        bad = [i for i, t in enumerate(delta.full_delta.factors()) if not bool(torch.isfinite(t).all())]
+        if bad:  # factors are small; a non-finite one would only be found after rows were written
+            raise NonFiniteFusionError(f"the LoKr/LoHa delta for {name}.weight has non-finite factors (keys "
+                                       f"{', '.join(delta.source_keys) or '?'}); nothing was written")
+    return name, weight, bias, delta
+
+
 def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
     """Resolve and check every target before any write (names, shapes, devices, finite factors, bounds)."""
     modules, params = dict(module.named_modules()), dict(module.named_parameters())
     out = []
     for name, delta in deltas.items():
-        owner = modules.get(name)
-        weight = getattr(owner, "weight", None) if owner is not None else params.get(name)
-        bias = getattr(owner, "bias", None) if owner is not None else None
-        if not isinstance(weight, torch.Tensor):
-            raise LoraFusionError(f"LoRA target {name} is not a module with a weight nor a parameter of "
-                                  f"{type(module).__name__}")
-        if type(weight.data) is not torch.Tensor or weight.device.type == "meta":
-            raise LoraFusionError(f"{name}.weight is a {type(weight.data).__name__} on {weight.device}: fuse LoRA "
-                                  f"on plain materialized tensors, before sharding")
-        if delta.A is not None and (weight.dim() != 2 or tuple(weight.shape) != (delta.B.shape[0], delta.A.shape[1])):
-            raise LoraFusionError(f"{name}.weight is {tuple(weight.shape)} but B @ A is "
-                                  f"({delta.B.shape[0]}, {delta.A.shape[1]})")
-        if delta.full_delta is not None and delta.full_delta.shape != weight.shape:
-            raise LoraFusionError(f"{name}: full delta {tuple(delta.full_delta.shape)} vs weight {tuple(weight.shape)}")
-        if delta.bias_delta is not None and (bias is None or delta.bias_delta.shape != bias.shape):
-            raise LoraFusionError(f"{name}: bias delta {tuple(delta.bias_delta.shape)} but the module's bias is "
-                                  f"{None if bias is None else tuple(bias.shape)}")
-        out.append((name, weight, bias, delta))
-    factored = [(name, weight, delta) for name, weight, _, delta in out if delta.A is not None]
-    maxima = factor_maxima([delta for *_, delta in factored])
-    bounded = {name: lora_bound(delta, weight.dtype, name, m) for (name, weight, delta), m in zip(factored, maxima)}
+        try:
+            out.append(_target(module, modules, params, name, delta))
+        except LoraFusionError as exc:
+            raise _from_file(exc, delta) from exc
+    with_ab = [(name, weight, delta) for name, weight, _, delta in out if delta.A is not None]
+    maxima = factor_maxima([delta for *_, delta in with_ab])
+    bounded = {name: lora_bound(delta, weight.dtype, name, m) for (name, weight, delta), m in zip(with_ab, maxima)}
     return [(*target, bounded.get(target[0], False)) for target in out]
 
 
@@ -128,35 +156,46 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
     workspace, warned = Workspace(), False
     used_accel, kernels_used = None, set()
     params = fallbacks = 0
+
+    def rows_kernel(kernel: Callable[..., str], name: str, weight: torch.Tensor) -> None:
+        """``kernel(compute_device=..., row_start=...)`` on the device rule's device, the CPU path from the first
+        row not written back after an accelerator failure."""
+        nonlocal used_accel, warned, fallbacks
+        device = weight.device if weight.device.type != "cpu" else accelerator
+        try:
+            used = kernel(compute_device=device)
+        except DeviceFailure as failure:
+            fallbacks += 1
+            if failure.rows_done:
+                used_accel = used_accel or str(device)
+            if not warned:
+                warned = True
+                logger.warning("LoRA fusion on %s failed for %s.weight %s (%s: %s); using the CPU path for it "
+                               "(rows %d: onward) and for any later failure in this call", device, name,
+                               tuple(weight.shape), type(failure.cause).__name__,
+                               str(failure.cause).splitlines()[0], failure.rows_done)
+            used = kernel(compute_device=None, row_start=failure.rows_done)
+        if used == "device":
+            used_accel = used_accel or str(device)
+        else:
+            kernels_used.add(used)
+
     with torch.no_grad():
         for name, weight, bias, delta, bounded in targets:
             try:
-                if delta.A is not None:
-                    device = weight.device if weight.device.type != "cpu" else accelerator
+                if delta.A is not None or _is_factored(delta.full_delta):  # 2-D weights fused by row chunks
                     chunk_rows = max(1, (chunk_mb << 20) // max(1, weight.shape[1] * weight.element_size()))
-                    try:
-                        used = fuse_weight_(weight, delta, sign=sign, compute_device=device, chunk_rows=chunk_rows,
-                                            name=name, workspace=workspace, bounded=bounded,
-                                            check_finite=check_finite)
-                    except DeviceFailure as failure:
-                        fallbacks += 1
-                        if failure.rows_done:
-                            used_accel = used_accel or str(device)
-                        if not warned:
-                            warned = True
-                            logger.warning("LoRA fusion on %s failed for %s.weight %s (%s: %s); using the CPU "
-                                           "path for it (rows %d: onward) and for any later failure in this call",
-                                           device, name, tuple(weight.shape), type(failure.cause).__name__,
-                                           str(failure.cause).splitlines()[0], failure.rows_done)
-                        used = fuse_weight_(weight, delta, sign=sign, compute_device=None, chunk_rows=chunk_rows,
-                                            name=name, row_start=failure.rows_done, workspace=workspace,
-                                            bounded=bounded, check_finite=check_finite)
-                    if used == "device":
-                        used_accel = used_accel or str(device)
-                    else:
-                        kernels_used.add(used)
+                if delta.A is not None:
+                    rows_kernel(functools.partial(fuse_weight_, weight, delta, sign=sign, chunk_rows=chunk_rows,
+                                                  name=name, workspace=workspace, bounded=bounded,
+                                                  check_finite=check_finite), name, weight)
                     params += 1
-                if delta.full_delta is not None:
+                if _is_factored(delta.full_delta):
+                    rows_kernel(functools.partial(fuse_factored_, weight, delta.full_delta, sign=sign,
+                                                  chunk_rows=chunk_rows, name=name, workspace=workspace),
+                                name, weight)
+                    params += 1 if delta.A is None else 0
+                elif delta.full_delta is not None:
                     add_full(weight, delta.full_delta, sign, f"{name}.weight")
                     params += 1 if delta.A is None else 0  # the weight is counted once
                 if delta.bias_delta is not None:
@@ -164,13 +203,15 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
                     params += 1
                 if on_target is not None:
                     on_target()
-            except PartiallyFusedError:
-                raise
+            except PartiallyFusedError as exc:
+                raise _from_file(exc, delta) from exc
             except Exception as exc:
                 if params:
-                    raise PartiallyFusedError(f"LoRA fusion failed at {name} after {params} tensors of "
-                                              f"{type(module).__name__} were modified ({exc}); the module is "
-                                              f"partially fused, abort the load") from exc
+                    raise _from_file(PartiallyFusedError(
+                        f"LoRA fusion failed at {name} after {params} tensors of {type(module).__name__} were "
+                        f"modified ({exc}); the module is partially fused, abort the load"), delta) from exc
+                if isinstance(exc, LoraFusionError):
+                    raise _from_file(exc, delta) from exc
                 raise
     stats = FuseStats(used_accel or "cpu", "+".join(sorted(kernels_used)) or None, len(targets), params, fallbacks,
                       time.perf_counter() - start)
@@ -205,10 +246,13 @@ def fuse_lora_files(
     chunk_mb: int = 256,
     packed_modules: Mapping[str, Sequence[str]] | None = None,
     check_finite: bool = False,
+    component: str | None = None,
 ) -> FuseStats:
-    """Load, normalize and validate every LoRA file first (``prepare_lora_files``), then fuse them in order."""
+    """Load, normalize and validate every LoRA file first (``prepare_lora_files``; ``component`` names the module
+    in its messages), then fuse them in order."""
     items = list(paths_and_scales.items() if isinstance(paths_and_scales, Mapping) else paths_and_scales)
-    return fuse_prepared(module, prepare_lora_files(module, items, strict=strict, packed_modules=packed_modules),
+    return fuse_prepared(module, prepare_lora_files(module, items, strict=strict, packed_modules=packed_modules,
+                                                    component=component),
                          chunk_mb=chunk_mb, check_finite=check_finite)
 
 

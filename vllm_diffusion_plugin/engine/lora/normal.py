@@ -10,11 +10,17 @@ The dispatch. Layouts, one leaf module each (they import only ``types``):
   ``lora_B.bias``; files and adapter configs are read there (``load_lora``);
 - kohya (``kohya``): ``lora_unet_<module_with_underscores>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``;
 - Wan / LightX2V (``wan``): ``diffusion_model.*`` keys in original Wan naming, ``.diff_b`` / ``.diff`` deltas;
+- LyCORIS LoKr / LoHa (``lycoris``): ``<module>.lokr_w1`` ... / ``hada_w1_a`` ..., kept factored as a full delta
+  (``lycoris.FactoredDelta``) that the fusion materializes row chunk by row chunk;
 - packed targets (``packed_modules={"qkv_proj": ["q_proj", "k_proj", "v_proj"]}``, here): per-slice deltas are
   stacked exactly: ``A = cat(A_i)`` along dim 0 and ``B`` block-diagonal, so ``B @ A = cat(B_i @ A_i)``.
 
-Keys of adapters that are not ``B @ A`` (``_NOT_B_AT_A``: LoKr, LoHa, DoRA, ...) are split off first, before any
-converter sees them (diffusers' drop DoRA scales with a warning); today they are refused.
+Keys of adapters that are not ``B @ A`` never reach a diffusers converter (diffusers' drop DoRA scales with a
+warning): LoKr / LoHa keys (and their modules' ``.alpha``) are read by the ``lycoris`` leaf; refused, naming the
+keys (``UnsupportedLoraError``): DoRA (``lora_magnitude_vector`` / ``dora_scale``: the fused weight
+``m * (W + s*B@A) / ||W + s*B@A||`` is no delta -- it depends on the base weight and on every file fused before it,
+cannot be unfused by subtraction, and LyCORIS's input-axis norm needs whole columns, which ``rank_local`` rows do
+not hold), ``lora_mid`` / Tucker forms, embedding LoRAs, OFT.
 
 Scale convention: with an ``.alpha`` entry, ``scale = alpha / rank``; else the adapter config's
 ``lora_alpha / r`` (PEFT ``rank_pattern``/``alpha_pattern``/``use_rslora`` honoured); else 1.0 -- always
@@ -32,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora import diffusers_layouts
+from vllm_diffusion_plugin.engine.lora import diffusers_layouts, lycoris
 from vllm_diffusion_plugin.engine.lora.kohya import KohyaNames
 from vllm_diffusion_plugin.engine.lora.peft import config_scale
 from vllm_diffusion_plugin.engine.lora.types import (
@@ -67,7 +73,13 @@ _KIND_SUFFIXES = (  # (regex on the key's tail, kind); the module path is what p
     (re.compile(r"\.diff_b$"), "diff_b"),
     (re.compile(r"\.diff$"), "diff"),
 )
-_NOT_B_AT_A = re.compile(r"dora_scale|lora_magnitude_vector|lora_mid|hada_|lokr_|lora_embedding_|\.oft_")
+_UNSUPPORTED = (  # (pattern, variant): refused, see the module doc
+    (re.compile(r"dora_scale|lora_magnitude_vector"), "DoRA (the fused weight m * (W + s*B@A) / ||W + s*B@A|| "
+                                                       "is no delta: merge it into the checkpoint instead)"),
+    (re.compile(r"lora_mid"), "LoCon Tucker (lora_mid)"),
+    (re.compile(r"lora_embedding_"), "embedding LoRA"),
+    (re.compile(r"\.oft_"), "OFT"),
+)
 _FULL_DELTAS = re.compile(r"\.diff(?:_b)?$")  # ours in every layout: converters drop them (norms) or never read them
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.")
 
@@ -77,7 +89,7 @@ def _split_key(key: str) -> tuple[str, str] | None:
         m = pattern.search(key)
         if m:
             return key[: m.start()], kind
-    return None
+    return lycoris.split_key(key)
 
 
 def _strip_prefixes(path: str) -> str:
@@ -125,11 +137,19 @@ def _finite(key: str, t: torch.Tensor) -> None:
         raise NonFiniteLoraError(f"LoRA tensor {key} {tuple(t.shape)} holds NaN or inf")
 
 
-def _refuse_not_b_at_a(state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Keys of adapters that are not ``B @ A``: the place a leaf fusing them exactly plugs in."""
-    found = [k for k in state_dict if _NOT_B_AT_A.search(k)]
-    if found:
-        raise UnsupportedLoraError(f"LoRA variant not fusable as W + s*B@A (DoRA/LoHa/LoKr/...): {found[:20]}")
+def _refuse_unsupported(state_dict: Mapping[str, torch.Tensor]) -> None:
+    for pattern, variant in _UNSUPPORTED:
+        found = [k for k in state_dict if pattern.search(k)]
+        if found:
+            raise UnsupportedLoraError(f"{variant} is not fused; {len(found)} such key(s): {', '.join(found[:5])}")
+
+
+def _ours(state_dict: Mapping[str, torch.Tensor]) -> set[str]:
+    """Keys no diffusers converter gets: ``.diff`` / ``.diff_b`` (converters drop them, or never read them) and
+    every key of a LoKr / LoHa module (its ``.alpha`` too), which the ``lycoris`` leaf reads."""
+    lycoris_modules = {found[0] for found in map(lycoris.split_key, state_dict) if found}
+    return {k for k in state_dict
+            if _FULL_DELTAS.search(k) or (lycoris_modules and k.rpartition(".")[0] in lycoris_modules)}
 
 
 def _layout_entries(state_dict: dict[str, torch.Tensor], module: nn.Module, wan: bool,
@@ -138,7 +158,8 @@ def _layout_entries(state_dict: dict[str, torch.Tensor], module: nn.Module, wan:
     refusal if its converter could not read the file (then the keys are read as they are)."""
     as_is = [(k, v, wan) for k, v in state_dict.items()]
     mixin = diffusers_layouts.lora_mixin(type(module))
-    convertible = {k: v for k, v in state_dict.items() if not _FULL_DELTAS.search(k)}
+    ours = _ours(state_dict)
+    convertible = {k: v for k, v in state_dict.items() if k not in ours}
     if mixin is None or not convertible:
         return as_is, "", None
     try:
@@ -168,7 +189,7 @@ def normalize_lora(
     if not math.isfinite(scale):
         raise NonFiniteLoraError(f"LoRA scale {scale} is not finite")
     state_dict = dict(state_dict)
-    _refuse_not_b_at_a(state_dict)
+    _refuse_unsupported(state_dict)
     packed = dict(packed_modules or {})
     wan = uses_wan_naming(_strip_prefixes(k) for k in state_dict)
     entries, via, refusal = _layout_entries(state_dict, module, wan)
@@ -218,13 +239,16 @@ def normalize_lora(
 def _slice_delta(name: str, parts: dict, scale: float, config: Mapping | None) -> tuple:
     for kind, (key, tensor) in parts.items():
         _finite(key, tensor)
+    keys = tuple(key for key, _ in parts.values())
+    if any(kind.startswith(("lokr_", "hada_")) for kind in parts):
+        bias = _scaled(parts["diff_b"][1], scale) if "diff_b" in parts else None
+        return None, None, scale, bias, lycoris.factored_delta(name, parts, scale=scale, config=config), keys
     A, B = parts.get("A"), parts.get("B")
     if (A is None) != (B is None):
         have, miss = ("lora_A/lora_down", "lora_B/lora_up") if B is None else ("lora_B/lora_up", "lora_A/lora_down")
         raise LoraFormatError(f"{(A or B)[0]} has {have} but no {miss} for {name}")
     if "alpha" in parts and A is None:
         raise LoraFormatError(f"{parts['alpha'][0]} gives an alpha for {name} but there is no lora_A/lora_B")
-    keys = tuple(key for key, _ in parts.values())
     ab_scale = scale
     if A is not None:
         (ka, a), (kb, b) = A, B
@@ -299,6 +323,8 @@ def _pack(name: str, slices: dict, packed: Mapping[str, Sequence[str]], targets:
         parts = [slices[i][index] for i in range(len(sub_names))]
         if all(p is None for p in parts):
             return None
+        if any(p is not None and not isinstance(p, torch.Tensor) for p in parts):
+            return lycoris.stack_rows(parts, outs)  # a LoKr / LoHa slice: kept factored
         like = next(p for p in parts if p is not None)
         return torch.cat([p if p is not None else like.new_zeros((o, *like.shape[1:])) for p, o in zip(parts, outs)])
 

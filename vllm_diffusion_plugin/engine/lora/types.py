@@ -60,7 +60,10 @@ class LoraDelta:
 
     ``A`` is ``(rank, in_features)``, ``B`` is ``(out_features, rank)``, both None for a target with only
     full/bias deltas. ``scale`` multiplies ``B @ A`` only; ``bias_delta`` and ``full_delta`` are final
-    (already multiplied by their scale). ``source_keys`` are the file keys it came from (for messages).
+    (already multiplied by their scale); ``full_delta`` is a tensor or, for LoKr / LoHa, a
+    ``lycoris.FactoredDelta`` (materialized only while it is fused). ``source_keys`` are the file keys it came
+    from and ``origin`` the file and component (``LoRA file PATH for COMPONENT``, set by ``prepare_lora_files``),
+    for messages.
     """
 
     A: torch.Tensor | None
@@ -69,6 +72,7 @@ class LoraDelta:
     bias_delta: torch.Tensor | None = None
     full_delta: torch.Tensor | None = None
     source_keys: tuple[str, ...] = ()
+    origin: str = ""
 
     @property
     def rank(self) -> int:

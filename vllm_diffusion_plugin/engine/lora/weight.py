@@ -31,6 +31,10 @@ The device path follows the same rule: a bounded target in the weight's dtype is
 ``addmm_`` (the HBM floor: each weight byte read and written once); the others in fp32, checked. A check
 failing after rows were written raises ``PartiallyFusedError`` (the load must be aborted), as does any
 failure once a weight of the call was modified.
+
+A LoKr / LoHa delta (``lycoris.FactoredDelta``) goes through the same row loops (``fuse_factored_``): its rows
+are materialized in fp32 where the fusion runs, chunk by chunk, and every chunk is checked before it is written
+(no bound is derived for it), so no full-size delta exists anywhere.
 """
 
 from __future__ import annotations
@@ -181,8 +185,9 @@ def lora_bound(delta: LoraDelta, dtype: torch.dtype, name: str, maxima: tuple[fl
     bad = [what for what, value in (("lora_A", amax_a), ("lora_B", amax_b), ("scale", delta.scale))
            if not math.isfinite(value)]
     if bad:
-        raise NonFiniteFusionError(f"the LoRA for {name}.weight has non-finite {' and '.join(bad)} "
-                                   f"(keys {', '.join(delta.source_keys) or '?'}); nothing was written")
+        raise NonFiniteFusionError(f"{delta.origin + ': ' if delta.origin else ''}the LoRA for {name}.weight has "
+                                   f"non-finite {' and '.join(bad)} (keys {', '.join(delta.source_keys) or '?'}); "
+                                   f"nothing was written")
     return abs(delta.scale) * delta.rank * amax_a * amax_b < torch.finfo(dtype).max / 2
 
 
@@ -214,7 +219,7 @@ def fuse_weight_(
     same_dtype = delta.A.dtype == delta.B.dtype == weight.dtype
     if compute_device is not None and compute_device.type != "cpu":
         in_place = same_dtype and bounded and not check_finite
-        return _fuse_on_device(weight, delta, alpha, compute_device, chunk_rows, name, row_start,
+        return _fuse_on_device(weight, _ab_update(delta, alpha), compute_device, chunk_rows, name, row_start,
                                in_place=in_place, check=not in_place)
     workspace = workspace or Workspace()
     kernel = cpu_kernel(weight.dtype)
@@ -229,19 +234,51 @@ def fuse_weight_(
                 raise PartiallyFusedError(f"{name}.weight rows {r0}:{r1} are NaN/inf after fusing (is the base "
                                           f"weight finite?); the module is partially fused, abort the load")
         return kernel
-    check = check_finite or not bounded
+    _fuse_cpu_fp32(weight, _ab_update(delta, alpha), chunk_rows, name, row_start, workspace,
+                   check=check_finite or not bounded)
+    return kernel
+
+
+def fuse_factored_(weight: torch.Tensor, delta, *, sign: int, compute_device: torch.device | None, chunk_rows: int,
+                   name: str = "", row_start: int = 0, workspace: Workspace | None = None) -> str:
+    """``weight[row_start:] += sign * delta`` for a ``lycoris.FactoredDelta``: its rows are materialized in fp32 on
+    ``compute_device`` (the weight's own device or an accelerator; None: the CPU), chunk by chunk, each chunk
+    checked before it is written. Raises as ``fuse_weight_``; returns ``"device"`` or ``"fp32-chunks"``."""
+    def prepare(device: torch.device, dtype: torch.dtype):
+        rows = delta.rows_on(device, dtype)
+        return lambda acc, r0, r1: acc.add_(rows(r0, r1), alpha=sign)
+
+    if compute_device is not None and compute_device.type != "cpu":
+        return _fuse_on_device(weight, prepare, compute_device, chunk_rows, name, row_start, in_place=False,
+                               check=True)
+    _fuse_cpu_fp32(weight, prepare, chunk_rows, name, row_start, workspace or Workspace(), check=True)
+    return "fp32-chunks"
+
+
+def _ab_update(delta: LoraDelta, alpha: float):
+    """``prepare(device, dtype) -> update(acc, r0, r1)``: ``acc += alpha * B[r0:r1] @ A`` with the factors there."""
+    def prepare(device: torch.device, dtype: torch.dtype):
+        a, b = delta.A.to(device=device, dtype=dtype), delta.B.to(device=device, dtype=dtype)
+        return lambda acc, r0, r1: acc.addmm_(b[r0:r1], a, alpha=alpha)
+
+    return prepare
+
+
+def _fuse_cpu_fp32(weight: torch.Tensor, prepare, chunk_rows: int, name: str, row_start: int, workspace: Workspace,
+                   *, check: bool) -> None:
+    """The CPU ``fp32-chunks`` kernel: rows upcast into one reused buffer, updated, checked, written back."""
     compute = torch.promote_types(weight.dtype, torch.float32)
-    a, b = delta.A.to(compute), delta.B.to(compute)
+    update = prepare(torch.device("cpu"), compute)
+    rows = weight.shape[0]
     step = max(1, min(chunk_rows, _CPU_CHUNK_BYTES // max(1, weight.shape[1] * 4)))
     for r0 in range(row_start, rows, step):
         r1 = min(rows, r0 + step)
         buf = workspace.rows(r1 - r0, weight.shape[1], compute)
         buf.copy_(weight[r0:r1])
-        buf.addmm_(b[r0:r1], a, alpha=alpha)
+        update(buf, r0, r1)
         if check and not _finite(buf, weight.dtype):
             _raise_non_finite(name, r0, r1, written=r0 > 0)  # rows before row_start: fused on the device
         weight[r0:r1].copy_(buf)
-    return kernel
 
 
 def _raise_non_finite(name: str, r0: int, r1: int, *, written: bool) -> None:
@@ -252,16 +289,16 @@ def _raise_non_finite(name: str, r0: int, r1: int, *, written: bool) -> None:
     raise NonFiniteFusionError(f"{message}; nothing of this weight was written")
 
 
-def _fuse_on_device(weight, delta, alpha, device, chunk_rows, name, row_start, *, in_place, check) -> str:
+def _fuse_on_device(weight, prepare, device, chunk_rows, name, row_start, *, in_place, check) -> str:
     """Fuse on ``device``: for a weight living there, rows in place; else rows staged H2D, fused, copied back.
-    ``in_place``: ``addmm_`` in the weight's dtype straight into the (staged) rows, unchecked (a bounded
-    delta, module doc); else in fp32, each chunk checked before it is written."""
+    ``prepare(device, dtype)`` moves the factors there and returns ``update(acc, r0, r1)``. ``in_place``: the
+    update in the weight's dtype straight into the (staged) rows, unchecked (a bounded delta, module doc); else
+    in fp32, each chunk checked before it is written."""
     on_host = weight.device.type == "cpu"
     rows, done = weight.shape[0], row_start
     compute = weight.dtype if in_place else torch.promote_types(weight.dtype, torch.float32)
     try:
-        a = delta.A.to(device=device, dtype=compute)
-        b = delta.B.to(device=device, dtype=compute)
+        update = prepare(device, compute)
     except Exception as exc:
         if on_host:
             raise DeviceFailure(done, exc) from exc
@@ -274,7 +311,7 @@ def _fuse_on_device(weight, delta, alpha, device, chunk_rows, name, row_start, *
                 acc = staged
             else:
                 acc = staged.to(compute) if staged.dtype != compute else staged if on_host else staged.clone()
-            acc.addmm_(b[r0:r1], a, alpha=alpha)
+            update(acc, r0, r1)
             result = acc.to(weight.dtype) if acc.dtype != weight.dtype else acc
             ok = not check or _finite(result, weight.dtype)
         except Exception as exc:

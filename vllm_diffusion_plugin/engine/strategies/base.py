@@ -115,10 +115,10 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
     return strategy
 
 
-def normalize_lora_files(module: nn.Module, files: Sequence[tuple[str, float]], *,
-                         strict: bool) -> list[dict[str, Any]]:
+def normalize_lora_files(module: nn.Module, files: Sequence[tuple[str, float]], *, strict: bool,
+                         component: str | None = None) -> list[dict[str, Any]]:
     """Read and validate every LoRA file against ``module`` (a meta skeleton is enough); one delta dict per
     file, fused in this order. Nothing is touched."""
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
 
-    return [lora.deltas for lora in prepare_lora_files(module, files, strict=strict)]
+    return [lora.deltas for lora in prepare_lora_files(module, files, strict=strict, component=component)]

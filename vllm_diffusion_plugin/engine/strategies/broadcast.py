@@ -285,7 +285,7 @@ class _Sender:
         return pack
 
     def _fuse_pending(self) -> None:
-        from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
+        from vllm_diffusion_plugin.engine.lora import fuse_lora
 
         if not self.pending:
             return
@@ -297,9 +297,9 @@ class _Sender:
                     continue
                 d = self.files[i][name]
                 weight = "weight" in parts
-                deltas[name] = LoraDelta(d.A if weight else None, d.B if weight else None, d.scale,
-                                         d.bias_delta if "bias" in parts else None,
-                                         d.full_delta if weight else None, d.source_keys)
+                deltas[name] = dataclasses.replace(d, A=d.A if weight else None, B=d.B if weight else None,
+                                                   bias_delta=d.bias_delta if "bias" in parts else None,
+                                                   full_delta=d.full_delta if weight else None)
                 self.fused.add((i, name))
             stats = fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite)
             self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
@@ -363,7 +363,7 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
     sender = None
     try:
         with report.phase("lora"):
-            files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
+            files = normalize_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
                          check_finite=options.lora_check_finite, progress=progress)

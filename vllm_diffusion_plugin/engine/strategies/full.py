@@ -28,7 +28,8 @@ def load_full(source: ComponentSource, *, context: LoadContext,
     stats = None
     if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
         with report.phase("lora"):
-            stats = fuse_prepared(module, prepare_lora_files(module, lora_files, strict=options.lora_strict),
+            stats = fuse_prepared(module, prepare_lora_files(module, lora_files, strict=options.lora_strict,
+                                                            component=source.name),
                                   chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
                                   progress=context.progress, name=source.name)
     return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)

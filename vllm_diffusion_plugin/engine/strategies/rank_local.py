@@ -13,6 +13,7 @@ parameter, bind several keys into one target (``doors/omni/rank_local.py`` learn
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import struct
@@ -203,7 +204,7 @@ def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowB
 
     ``modules``: the checkpoint's module names (a delta target that is not one is a bare parameter). Returns
     the summed ``FuseStats`` or None."""
-    from vllm_diffusion_plugin.engine.lora import LoraDelta, fuse_lora
+    from vllm_diffusion_plugin.engine.lora import fuse_lora
 
     modules = set(modules)
     by_key: dict[str, list[RowBinding]] = {}
@@ -235,10 +236,10 @@ def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowB
                                                    f"but not the same bias rows; cannot fuse the bias delta locally")
                 target = name if i == 0 else f"{name}_{i}"
                 shadow.add(target, w_local, b_local)
-                sliced[target] = LoraDelta(delta.A, None if delta.B is None else delta.B[rows], delta.scale,
-                                           None if delta.bias_delta is None else delta.bias_delta[rows],
-                                           None if delta.full_delta is None else delta.full_delta[rows],
-                                           delta.source_keys)
+                sliced[target] = dataclasses.replace(
+                    delta, B=None if delta.B is None else delta.B[rows],
+                    bias_delta=None if delta.bias_delta is None else delta.bias_delta[rows],
+                    full_delta=None if delta.full_delta is None else delta.full_delta[rows])
         stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb, check_finite=check_finite)
         total = stats if total is None else total + stats
     return total
@@ -280,7 +281,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
         module.to("meta")  # buffers too, so FSDP2 moves nothing; their values are restored after to_empty
     with report.phase("lora"):
-        files = normalize_lora_files(module, lora_files, strict=options.lora_strict)
+        files = normalize_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
     with report.phase("shard"):
         shard = apply_hsdp(module, mesh=context.mesh, config=context.hsdp, pattern=options.hsdp_block_pattern,
                            allow_meta=True)
