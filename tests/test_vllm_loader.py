@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_diffusion_plugin.testing.bad_loras import write_bad_lora
+
 SCENARIOS = Path(__file__).parent / "vllm_scenarios" / "get_model_scenarios.py"
+BAD_LORA_KINDS = ("unmatched keys", "shape", "non-finite", "unsupported variant")
+BAD_LORA_KEYS: dict[str, str | None] = {}
+BAD_LORA_FILES: dict[str, Path] = {}
 
 
 def write_tiny_llama(root: Path) -> dict[str, Path]:
@@ -54,6 +59,12 @@ def results(tmp_path_factory):
         {"name": "missing_lora", "model": str(paths["base"]), "load_format": "diffusion-hsdp",
          "extra": {"lora_path": str(root / "nope.safetensors")}},
     ]
+    for kind in BAD_LORA_KINDS:  # the second of two files is bad: its error must name it, not the good one
+        bad = root / f"bad_{kind.replace(' ', '_')}.safetensors"
+        BAD_LORA_KEYS[kind] = write_bad_lora(kind, paths["lora"] / "adapter_model.safetensors", bad)
+        BAD_LORA_FILES[kind] = bad
+        spec.append({"name": f"bad_lora_{kind}", "model": str(paths["base"]), "load_format": "diffusion-hsdp",
+                     "extra": {"lora_path": [str(paths["lora"]), str(bad)]}})
     (root / "spec.json").write_text(json.dumps(spec))
     out = root / "out"
     out.mkdir()
@@ -133,3 +144,16 @@ def test_bad_extra_config_fails_before_any_weight_is_read(results, name, error_t
     assert re.search(match, result["error"]), result["error"]
     # raised while vLLM builds the loader (get_model_loader), before initialize_model or any read
     assert "get_model_loader" in result["traceback"] and "load_weights" not in result["traceback"]
+
+
+@pytest.mark.parametrize("kind", BAD_LORA_KINDS)
+def test_a_bad_lora_is_one_line_naming_its_file_and_key_before_any_weight_is_read(results, kind):
+    result = results[f"bad_lora_{kind}"]
+    assert "error" in result, kind
+    message, bad = result["error"], BAD_LORA_FILES[kind]
+    assert "\n" not in message and message.startswith(f"LoRA file {bad} for "), message
+    key = BAD_LORA_KEYS[kind]
+    assert key is None or key.removeprefix("base_model.model.") in message, (key, message)
+    # raised by the check that runs before the checkpoint is streamed (load_weights: _prepare_loras, then
+    # load_into_module), not after the read by the fusion
+    assert "_prepare_loras" in result["traceback"] and "_fuse_loras" not in result["traceback"], result["traceback"]

@@ -63,16 +63,18 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         self._source(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """Stream the checkpoint through ``model.load_weights`` (vLLM's stacked-parameter mapping applies),
-        check every parameter was loaded, then fuse the configured LoRA files."""
+        """Check the configured LoRA files against the model (before any read), stream the checkpoint through
+        ``model.load_weights`` (vLLM's stacked-parameter mapping applies), check every parameter was loaded,
+        then fuse the LoRA files."""
         from vllm_diffusion_plugin.engine.weights import load_into_module
 
         source = self._source(model_config)
+        loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
         result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected)
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
                     result.bytes_read / 1e6, source.folder, result.seconds)
-        if self.lora_specs:
-            self._fuse_loras(model)
+        if loras is not None:
+            self._fuse_loras(model, loras)
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpoint tensor by checkpoint name, for vLLM's in-place reload (vLLM 0.34+). Raises at the
@@ -124,14 +126,21 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                              f"({', '.join(s.name for s in sources)}); vLLM loads one model folder")
         return sources[0]
 
-    def _fuse_loras(self, model: nn.Module) -> None:
-        from vllm_diffusion_plugin.engine.lora import fuse_lora_files
+    def _prepare_loras(self, model: nn.Module, *, component: str) -> list:
+        """Every LoRA file read and checked against the model's shapes (nothing is touched): errors name the file,
+        ``component`` and the first offending keys before any checkpoint byte is read."""
+        from vllm_diffusion_plugin.engine.lora import prepare_lora_files
 
         _check_lora_fusable(model)
-        stats = fuse_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
-                                strict=self.options.lora_strict, chunk_mb=self.options.lora_device_chunk_mb,
-                                packed_modules=getattr(model, "packed_modules_mapping", None),
-                                check_finite=self.options.lora_check_finite)
+        return prepare_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
+                                  strict=self.options.lora_strict,
+                                  packed_modules=getattr(model, "packed_modules_mapping", None), component=component)
+
+    def _fuse_loras(self, model: nn.Module, loras: list) -> None:
+        from vllm_diffusion_plugin.engine.lora import fuse_prepared
+
+        stats = fuse_prepared(model, loras, chunk_mb=self.options.lora_device_chunk_mb,
+                              check_finite=self.options.lora_check_finite)
         logger.info("Fused %d LoRA file(s) into %s: %d targets, compute device %s, %d fallback(s)",
                     len(self.lora_specs), type(model).__name__, stats.targets, stats.compute_device,
                     stats.fallbacks)

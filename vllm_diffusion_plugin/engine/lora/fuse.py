@@ -92,10 +92,12 @@ def resolve_compute_device() -> torch.device | None:
 
 # ---- the module-level API ------------------------------------------------------------------------------
 def _from_file(exc: Exception, delta: LoraDelta) -> Exception:
-    """``exc`` (same type) naming the LoRA file and component of ``delta`` first, when known and not yet named."""
+    """``exc`` (same type) naming the LoRA file and component of ``delta`` first, when known and not yet named,
+    and the file keys the delta came from."""
     if not delta.origin or delta.origin in str(exc):
         return exc
-    return type(exc)(f"{delta.origin}: {exc}")
+    keys = f" (LoRA keys {', '.join(delta.source_keys[:4])})" if delta.source_keys else ""
+    return type(exc)(f"{delta.origin}: {exc}{keys}")
 
 
 def _is_factored(full_delta) -> bool:

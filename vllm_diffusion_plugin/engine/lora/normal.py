@@ -342,11 +342,11 @@ def _checked(delta: LoraDelta, name: str, targets: _Targets) -> LoraDelta:
     if delta.A is not None:
         if len(shape) != 2:
             raise LoraShapeError(f"LoRA A/B for {name} need a 2-D (linear) weight; {name}.weight is {shape} "
-                                 f"({delta.source_keys[:2]})")
+                                 f"({', '.join(delta.source_keys)})")
         if delta.B.shape[0] != shape[0] or delta.A.shape[1] != shape[1]:
             raise LoraShapeError(f"shape mismatch for {name}: B @ A is ({delta.B.shape[0]}, {delta.A.shape[1]}) "
                                  f"(A {tuple(delta.A.shape)}, B {tuple(delta.B.shape)}) but the weight is {shape} "
-                                 f"({delta.source_keys[:2]})")
+                                 f"({', '.join(delta.source_keys)})")
     if delta.full_delta is not None and tuple(delta.full_delta.shape) != shape:
         raise LoraShapeError(f"full delta for {name} is {tuple(delta.full_delta.shape)} but the weight is {shape} "
                              f"({delta.source_keys})")
