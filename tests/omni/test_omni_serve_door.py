@@ -25,6 +25,11 @@ from omni_support import FAMILIES, OneDitPipeline, build_family_dit, captured_lo
 
 from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
 from vllm_diffusion_plugin.doors.omni.serve_options import UNSUPPORTED_KEYS
+from vllm_diffusion_plugin.engine.lora import LoraFormatError
+from vllm_diffusion_plugin.testing.bad_loras import KINDS as ALL_BAD_LORA_KINDS
+from vllm_diffusion_plugin.testing.bad_loras import write_bad_lora
+
+BAD_LORA_KINDS = [k for k in ALL_BAD_LORA_KINDS if k != "overflow at fusion"]  # shows only while fusing
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -98,6 +103,20 @@ def test_a_lora_for_a_component_the_folder_lacks_stops_the_api_server(omni, wan2
     with pytest.raises(ValueError, match="empty component name"):
         stage_fields(model=str(wan22.root), load_format=FLAG,
                      additional_config={"diffusion_hsdp": {"lora_path": [f"={wan22.high}"]}})
+
+
+@pytest.mark.parametrize("kind", list(BAD_LORA_KINDS))
+def test_a_bad_lora_stops_the_api_server_naming_its_file_component_and_key(omni, wan22, kind, tmp_path):
+    # checked against the DiT's meta skeleton in the API server, before any worker builds its pipeline
+    bad = tmp_path / "low_noise.safetensors"
+    key = write_bad_lora(kind, wan22.low, bad)
+    options = {"lora_path": [f"transformer={wan22.high}", f"transformer_2={bad}"]}
+    with pytest.raises(LoraFormatError) as caught:
+        stage_fields(model=str(wan22.root), load_format=FLAG, additional_config={"diffusion_hsdp": options})
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"LoRA file {bad} for transformer_2 (WanTransformer3DModel)")
+    assert key is None or key in message, message
+    assert str(wan22.high) not in message
 
 
 def test_the_unknown_key_message_lists_only_keys_that_work_under_vllm_omni(omni):

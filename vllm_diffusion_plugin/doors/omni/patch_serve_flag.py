@@ -13,7 +13,8 @@ offline path import it from this module at call time) is wrapped. When the stage
 
 1. our options are parsed from ``additional_config["diffusion_hsdp"]`` (``serve_options.omni_options``:
    unknown keys / wrong types raise naming the key) and checked against vllm-omni's own options
-   (``serve_options.check_supported``);
+   (``serve_options.check_supported``); every ``lora_path`` file is read and checked against its DiT's
+   ``meta`` skeleton (``serve_options.check_lora_files``), as the workers will;
 2. vllm-omni's diffusion loader module is imported here and the worker-side units (``load-format``,
    ``postprocess``, ``load-path``) must be applied -- the same vllm-omni is installed for the workers, so a
    shape they would not recognize stops the server now (:class:`_patching.LoadFormatUnavailable`);
@@ -90,6 +91,7 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any]) -> dic
         return diffusion_kwargs
     options = serve_options.omni_options(additional)
     serve_options.check_supported(options, diffusion_kwargs)
+    serve_options.check_lora_files(options, diffusion_kwargs)
     _require_worker_units()
     additional[serve_options.CARRIED_KEY] = LOAD_FORMAT
     logger.info("--load-format %s: carried to vllm-omni's diffusion workers (hsdp_weight_load=%s, %d LoRA "

@@ -76,6 +76,29 @@ def check_lora_entries(options: Any, model: Any) -> None:
                              f"not list; its components: {', '.join(components)}")
 
 
+def check_lora_files(options: Any, od_config: Any) -> None:
+    """Every ``lora_path`` file read and checked as the workers will (keys, ranks, shapes, finiteness, a file that
+    fuses nothing) against its DiT's skeleton built on ``meta`` from the folder's ``config.json``, so that a bad
+    LoRA stops the API server in seconds instead of every worker after it built its pipeline. A model that is no
+    local folder (a hub id) is left to the workers. Errors name the file, the component and the first keys."""
+    from pathlib import Path
+
+    import torch
+
+    from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras, prepare_loras
+
+    model = _get(od_config, "model", None)
+    if not options.lora_path or not model or not Path(str(model)).is_dir():
+        return
+    dits = [s for s in resolve_checkpoint(str(model), allow_pickle=options.allow_pickle) if is_transformer(s)]
+    specs = [LoraSpec.parse(text, default_scale=options.lora_scale) for text in options.lora_path]
+    loras = assign_loras(specs, [s.name for s in dits])
+    for source in dits:
+        if loras.get(source.name):
+            prepare_loras(source, loras[source.name], dtype=torch.float32, strict=options.lora_strict)
+
+
 def carried(od_config: Any) -> bool:
     """Whether vllm-omni's diffusion config carries ``--load-format diffusion-hsdp`` (see ``patch_serve_flag``)."""
     from vllm_diffusion_plugin import LOAD_FORMAT
