@@ -96,6 +96,9 @@ def assert_close_per_tensor(ours: dict, theirs: dict) -> None:
 # ---- the tests --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("family", "layout"), sorted(LAYOUTS))
 def test_layout_fuses_equal_to_diffusers(family, layout, checkpoints, tmp_path):
+    if (family, layout) == ("qwen_image", "diffusers_alphas") and diffusers_version() < (0, 42):
+        pytest.skip("diffusers 0.40's Qwen-Image converter drops the alphas of diffusers-named files (0.42 bakes "
+                    "them in); ours applies alpha / rank (tests/omni/test_omni_serve_door.py's families test)")
     lora = tmp_path / f"{family}_{layout}.safetensors"
     written = write_layout(family, layout, lora)
     if diffusers_version() < LAYOUTS[family, layout][1]:  # its converter cannot read the layout: refused, saying so

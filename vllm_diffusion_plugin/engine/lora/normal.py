@@ -3,8 +3,8 @@
 The dispatch. Layouts, one leaf module each (they import only ``types``):
 
 - diffusers' own converters (``diffusers_layouts``): for a target whose diffusers class has a LoRA mixin
-  (FLUX, Wan, Qwen-Image, Z-Image, ...), every key but ``.diff`` / ``.diff_b`` goes through that mixin's
-  ``lora_state_dict`` first (kohya / ComfyUI / XLabs FLUX, original Wan / LightX2V, musubi-tuner, Qwen-Image and
+  (FLUX, Wan, Qwen-Image, Z-Image, ...), every key but ``.diff`` / ``.diff_b`` of a file not already in
+  diffusers / PEFT naming goes through that mixin's ``lora_state_dict`` first (kohya / ComfyUI / XLabs FLUX, original Wan / LightX2V, musubi-tuner, Qwen-Image and
   Z-Image original naming, ...); what it returns is read by the grammar below;
 - diffusers / PEFT (``peft``): ``[prefix.]<module>.lora_A.weight`` / ``lora_B.weight``, ``.alpha``,
   ``lora_B.bias``; files and adapter configs are read there (``load_lora``);
@@ -152,7 +152,20 @@ def _ours(state_dict: Mapping[str, torch.Tensor]) -> set[str]:
             if _FULL_DELTAS.search(k) or (lycoris_modules and k.rpartition(".")[0] in lycoris_modules)}
 
 
-def _layout_entries(state_dict: dict[str, torch.Tensor], module: nn.Module, wan: bool,
+def _native(state_dict: Mapping[str, torch.Tensor], targets: _Targets) -> bool:
+    """Whether every key is already a diffusers / PEFT key of a module of the target (``lora_A`` / ``lora_B`` /
+    ``lora_B.bias`` / ``.alpha``): no converter has anything to add (diffusers 0.40's Qwen-Image one drops the
+    alphas of such files)."""
+    for key in state_dict:
+        split = _split_key(key)
+        if split is None or KohyaNames.claims(split[0]) or targets.resolve(split[0], wan=False) is None:
+            return False
+        if split[1] in ("A", "B") and ".lora_A" not in key and ".lora_B" not in key:
+            return False
+    return True
+
+
+def _layout_entries(state_dict: dict[str, torch.Tensor], module: nn.Module, targets: _Targets, wan: bool,
                     ) -> tuple[list[tuple[str, torch.Tensor, bool]], str, LoraConversionError | None]:
     """``(key, tensor, may be Wan naming)`` to resolve, where they come from (for messages), and diffusers'
     refusal if its converter could not read the file (then the keys are read as they are)."""
@@ -160,7 +173,7 @@ def _layout_entries(state_dict: dict[str, torch.Tensor], module: nn.Module, wan:
     mixin = diffusers_layouts.lora_mixin(type(module))
     ours = _ours(state_dict)
     convertible = {k: v for k, v in state_dict.items() if k not in ours}
-    if mixin is None or not convertible:
+    if mixin is None or not convertible or _native(convertible, targets):
         return as_is, "", None
     try:
         converted = diffusers_layouts.convert(convertible, mixin)
@@ -192,8 +205,8 @@ def normalize_lora(
     _refuse_unsupported(state_dict)
     packed = dict(packed_modules or {})
     wan = uses_wan_naming(_strip_prefixes(k) for k in state_dict)
-    entries, via, refusal = _layout_entries(state_dict, module, wan)
     targets = _Targets(module, packed)
+    entries, via, refusal = _layout_entries(state_dict, module, targets, wan)
     groups: dict[tuple[str, int | None], dict[str, tuple[str, torch.Tensor]]] = defaultdict(dict)
     unmatched = []
     for key, tensor, maybe_wan in entries:
