@@ -1,6 +1,8 @@
-"""The serving proof's machinery: a tiny Wan2.2 pipeline with two LoRAs and its diffusers-merged twin, real
-``vllm serve DIR --omni`` servers (one at a time, loopback, bounded waits, stopped by process group), the video
-they return decoded to frames, frame distances, and the load-report lines of our load path.
+"""The serving proof's machinery: a tiny Wan2.2 pipeline with two LoRAs and its diffusers-merged twin, the video
+the servers return decoded to frames, and frame distances. The servers themselves (one at a time, loopback,
+bounded waits, stopped by process group) and the load-report lines come from
+``vllm_diffusion_plugin.testing.servers``, shared with ``benchmarks/bench_serve_startup.py`` and
+``vllm-diffusion demo --serve``.
 
 Runs in the ``[omni]`` environment (vLLM 0.30 + vllm-omni 0.30) on the CPU through this package's CPU platform
 (``VLLM_DIFFUSION_OMNI_CPU=1``); on a GPU host the same servers run on the GPU when that variable is unset.
@@ -10,35 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import struct
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# The same video request for every server: fixed seed, 4 steps so that both experts run (flow shift 5 puts
-# timesteps 1000, 937 above the 0.875 boundary -> transformer; 833, 625 below -> transformer_2).
-VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height": "32", "num_frames": "5",
-              "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",
-              "boundary_ratio": "0.875", "seed": "1234", "fps": "8"}
-REPORT_PREFIX = "diffusion-hsdp load report:"
-"""The INFO line the vllm-omni door's load path writes per DiT and rank (``engine/report.py``,
-``report_line``; tests/serve/test_proof_helpers.py checks the two agree)."""
+from vllm_diffusion_plugin.testing.servers import (  # noqa: F401  (the proof's tests use them as sp.*)
+    REPORT_PREFIX, VIDEO_FORM, ServerError, ServerRun, ServerSpec, bytes_per_rank, load_reports, refused_start,
+    request_image, request_video, serve)
+
 LORA_RANK, LORA_ALPHA = 4, 8.0
-
-
-class ServeProofError(RuntimeError):
-    """The proof could not be run (a server did not start, a request failed); not a frame mismatch."""
 
 
 # ---- checkpoints ----------------------------------------------------------------------------------------
@@ -126,159 +111,9 @@ def _save_fused(transformer: Path, lora: Path, out: Path) -> None:
     model.unload_lora()
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     if len(changed) < 8:
-        raise ServeProofError(f"diffusers fused {lora.name} into only {changed}: the reference would prove little")
+        raise ServerError(f"diffusers fused {lora.name} into only {changed}: the reference would prove little")
     sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
     model.save_pretrained(out, max_shard_size=max(sum(sizes) // 4, max(sizes)))
-
-
-# ---- servers ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ServerSpec:
-    name: str
-    model: Path
-    plugin: bool
-    args: tuple[str, ...] = ()
-
-
-@dataclass
-class ServerRun:
-    name: str
-    command: list[str]
-    log: Path
-    ready_s: float = float("nan")
-    """Launch to the first healthy ``/health``."""
-    request_s: list[float] = field(default_factory=list)
-    videos: list[bytes] = field(default_factory=list)
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_env(*, plugin: bool, cpu: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION_")}
-    repo = str(Path(__file__).resolve().parents[2])  # this checkout's package in every worker process
-    env.update({"VLLM_DIFFUSION_PLUGIN": "1" if plugin else "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)})
-    if cpu:
-        # 2 CPU "devices" for the 2-rank servers even on a 1-core runner (the default is one per core)
-        env |= {"VLLM_DIFFUSION_OMNI_CPU": "1", "VLLM_TARGET_DEVICE": "cpu", "VLLM_DIFFUSION_OMNI_CPU_DEVICES": "2"}
-    return env
-
-
-def server_command(spec: ServerSpec, port: int, *, cpu: bool) -> list[str]:
-    vllm = Path(sys.executable).with_name("vllm")
-    cmd = [str(vllm), "serve", str(spec.model), "--omni", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--seed", "0"]
-    return cmd + list(spec.args)
-
-
-def _log_tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError as e:
-        return f"(no log: {e})"
-
-
-def _healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
-
-
-def stop(proc: subprocess.Popen, *, grace_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, SIGKILL it after ``grace_s`` (it was started in its own session)."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                proc.poll()
-                return
-            proc.poll()
-            time.sleep(0.5)
-
-
-def launch(spec: ServerSpec, logdir: Path, *, cpu: bool) -> tuple[subprocess.Popen, ServerRun, int]:
-    port = free_port()
-    run = ServerRun(name=spec.name, command=server_command(spec, port, cpu=cpu), log=logdir / f"{spec.name}.log")
-    with open(run.log, "w") as log_file:
-        proc = subprocess.Popen(run.command, env=server_env(plugin=spec.plugin, cpu=cpu), stdout=log_file,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    return proc, run, port
-
-
-def serve(spec: ServerSpec, logdir: Path, *, requests: int = 1, cpu: bool = True, ready_timeout_s: float = 600.0,
-          request_timeout_s: float = 300.0) -> ServerRun:
-    """Start one server, wait until healthy, request the video ``requests`` times, stop it (always)."""
-    proc, run, port = launch(spec, logdir, cpu=cpu)
-    t0 = time.monotonic()
-    try:
-        while not _healthy(port):
-            if proc.poll() is not None:
-                raise ServeProofError(f"[{spec.name}] exited with status {proc.returncode} before becoming "
-                                      f"healthy; log {run.log}:\n{_log_tail(run.log)}")
-            if time.monotonic() - t0 > ready_timeout_s:
-                raise ServeProofError(f"[{spec.name}] not healthy after {ready_timeout_s:.0f} s; log {run.log}:\n"
-                                      f"{_log_tail(run.log)}")
-            time.sleep(1.0)
-        run.ready_s = time.monotonic() - t0
-        for _ in range(requests):
-            t1 = time.monotonic()
-            run.videos.append(request_video(port, timeout_s=request_timeout_s, log=run.log))
-            run.request_s.append(time.monotonic() - t1)
-        return run
-    finally:
-        stop(proc)
-
-
-def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s: float = 300.0) -> tuple[int, str, float]:
-    """Start a server that must refuse to start: ``(exit status, log, seconds)``; raises if it became healthy
-    or was still running after ``timeout_s``."""
-    proc, run, port = launch(spec, logdir, cpu=cpu)
-    t0 = time.monotonic()
-    try:
-        while proc.poll() is None:
-            if _healthy(port):
-                raise ServeProofError(f"[{spec.name}] became healthy; it should have refused to start. "
-                                      f"Log {run.log}")
-            if time.monotonic() - t0 > timeout_s:
-                raise ServeProofError(f"[{spec.name}] neither refused nor started within {timeout_s:.0f} s; "
-                                      f"log {run.log}:\n{_log_tail(run.log)}")
-            time.sleep(1.0)
-        return proc.returncode, run.log_text(), time.monotonic() - t0
-    finally:
-        stop(proc)
-
-
-def request_video(port: int, *, timeout_s: float, log: Path) -> bytes:
-    """``POST /v1/videos/sync`` (multipart form) -> the mp4 bytes."""
-    boundary = uuid.uuid4().hex
-    body = b"".join(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
-                    for k, v in VIDEO_FORM.items()) + f"--{boundary}--\r\n".encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/videos/sync", data=body, method="POST",
-                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            data, content_type = resp.read(), resp.headers.get("Content-Type", "")
-    except urllib.error.HTTPError as e:
-        raise ServeProofError(f"/v1/videos/sync answered {e.code}: {e.read()[:2000]!r}\n{_log_tail(log)}") from e
-    if "video/mp4" not in content_type or len(data) < 100:
-        raise ServeProofError(f"/v1/videos/sync returned {content_type!r}, {len(data)} bytes")
-    return data
 
 
 # ---- frames -----------------------------------------------------------------------------------------------
@@ -292,7 +127,7 @@ def decode_frames(mp4: bytes):
     with av.open(io.BytesIO(mp4)) as container:
         frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
     if not frames:
-        raise ServeProofError("the mp4 holds no video frame")
+        raise ServerError("the mp4 holds no video frame")
     return np.stack(frames)
 
 
@@ -312,33 +147,9 @@ class Distance:
 def distance(a: bytes, b: bytes) -> Distance:
     fa, fb = decode_frames(a), decode_frames(b)
     if fa.shape != fb.shape:
-        raise ServeProofError(f"decoded videos differ in shape: {fa.shape} vs {fb.shape}")
+        raise ServerError(f"decoded videos differ in shape: {fa.shape} vs {fb.shape}")
     diff = abs(fa.astype("int16") - fb.astype("int16"))
     return Distance(mean_abs=float(diff.mean()), max_abs=int(diff.max()), identical_bytes=a == b)
-
-
-# ---- our load path's report lines -------------------------------------------------------------------------
-_FIELD = re.compile(r"(\w+)=(\S+)")
-
-
-def load_reports(log_text: str) -> list[dict[str, str]]:
-    """Every ``diffusion-hsdp load report: key=value ...`` line of a server log, as a dict per line (the line is
-    written by ``vllm_diffusion_plugin.engine.report.report_line``)."""
-    reports = []
-    for line in log_text.splitlines():
-        _, sep, rest = line.partition(REPORT_PREFIX)
-        if sep:
-            reports.append(dict(_FIELD.findall(rest)))
-    return reports
-
-
-def bytes_per_rank(reports: list[dict[str, str]]) -> dict[int, int]:
-    """DiT bytes read from the checkpoint by each rank, all components together."""
-    per_rank: dict[int, int] = {}
-    for report in reports:
-        rank = int(report.get("rank", 0))
-        per_rank[rank] = per_rank.get(rank, 0) + int(report.get("bytes_read", 0))
-    return dict(sorted(per_rank.items()))
 
 
 def dit_bytes(checkpoint: Path) -> int:
