@@ -131,32 +131,45 @@ def decode_frames(mp4: bytes):
     return np.stack(frames)
 
 
+def decode_image(data: bytes):
+    """An image (PNG/JPEG/WebP, as ``/v1/images/generations`` returns it) as a uint8 array ``(1, height, width,
+    3)``, the shape :func:`decode_frames` gives a video (Pillow, installed with vllm-omni)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"))[None]
+
+
 @dataclass(frozen=True)
 class Distance:
-    """Between two decoded videos, in 8-bit levels."""
+    """Between two decoded videos or images, in 8-bit levels."""
 
     mean_abs: float
     max_abs: int
     identical_bytes: bool
 
     def __str__(self) -> str:
-        same = ", identical mp4 bytes" if self.identical_bytes else ""
+        same = ", identical bytes" if self.identical_bytes else ""
         return f"mean |diff| {self.mean_abs:.3f}, max |diff| {self.max_abs}{same}"
 
 
-def distance(a: bytes, b: bytes) -> Distance:
-    fa, fb = decode_frames(a), decode_frames(b)
+def distance(a: bytes, b: bytes, *, decode=decode_frames) -> Distance:
+    """The pixel distance of two answers decoded by ``decode`` (:func:`decode_frames` or :func:`decode_image`)."""
+    fa, fb = decode(a), decode(b)
     if fa.shape != fb.shape:
-        raise ServerError(f"decoded videos differ in shape: {fa.shape} vs {fb.shape}")
+        raise ServerError(f"decoded answers differ in shape: {fa.shape} vs {fb.shape}")
     diff = abs(fa.astype("int16") - fb.astype("int16"))
     return Distance(mean_abs=float(diff.mean()), max_abs=int(diff.max()), identical_bytes=a == b)
 
 
-def dit_bytes(checkpoint: Path) -> int:
-    """Tensor bytes of the DiT shards (transformer + transformer_2) in ``checkpoint``: each file's size less its
-    safetensors header (what reading every tensor once reads)."""
+def dit_bytes(checkpoint: Path, components: tuple[str, ...] = ("transformer", "transformer_2")) -> int:
+    """Tensor bytes of the DiT shards (``components``) in ``checkpoint``: each file's size less its safetensors
+    header (what reading every tensor once reads)."""
     total = 0
-    for path in (checkpoint / sub / name for sub in ("transformer", "transformer_2")
+    for path in (checkpoint / sub / name for sub in components
                  for name in os.listdir(checkpoint / sub) if name.endswith(".safetensors")):
         with open(path, "rb") as f:
             total += path.stat().st_size - 8 - struct.unpack("<Q", f.read(8))[0]

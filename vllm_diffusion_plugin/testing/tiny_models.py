@@ -8,6 +8,7 @@ Needs diffusers (the ``cli`` or ``test`` extra).
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -24,6 +25,12 @@ PIPELINES = {
     "wan": ("WanPipeline", "WanTransformer3DModel", ("transformer", "transformer_2")),
     "flux": ("FluxPipeline", "FluxTransformer2DModel", ("transformer",)),
 }
+RUNTIME_WRITERS: dict[str, str] = {
+    "wan": f"{__name__}:write_wan_runtime_components",
+}
+"""``kind`` -> ``"module:function"`` writing the pipeline's other components (text encoders, tokenizers, VAE,
+scheduler) under a folder, called as ``function(root, seed=, dtype=)``; returns their ``model_index.json``
+entries. Imported only for ``runnable=True``."""
 
 
 def build_tiny_model(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -45,8 +52,8 @@ def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.flo
     """Write a pipeline folder (``model_index.json`` + transformer folders saved by diffusers'
     ``save_pretrained(max_shard_size=...)``, so each has an index and >= ``min_shards`` shards).
 
-    ``runnable=True`` (``wan`` only) also writes the other components of a Wan2.2 text-to-video pipeline
-    (see :func:`write_wan_runtime_components`), so diffusers' ``WanPipeline`` and vllm-omni can run it."""
+    ``runnable=True`` also writes the pipeline's other components (``RUNTIME_WRITERS``), so diffusers' pipeline
+    class and vllm-omni's can run the folder."""
     import diffusers
 
     pipeline_class, model_class, components = PIPELINES[kind]
@@ -56,9 +63,10 @@ def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.flo
     if kind == "wan":
         index["boundary_ratio"] = 0.875
     if runnable:
-        if kind != "wan":
-            raise ValueError(f"runnable=True builds Wan2.2 pipelines only, not {kind!r}")
-        index |= write_wan_runtime_components(Path(root), seed=seed, dtype=dtype)
+        if kind not in RUNTIME_WRITERS:
+            raise ValueError(f"runnable=True builds {sorted(RUNTIME_WRITERS)} pipelines, not {kind!r}")
+        module, _, function = RUNTIME_WRITERS[kind].partition(":")
+        index |= getattr(importlib.import_module(module), function)(Path(root), seed=seed, dtype=dtype)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for offset, name in enumerate(components):
