@@ -28,21 +28,22 @@ import json, sys
 from pathlib import Path
 
 work = Path(sys.argv[1])
-path = work / "summary.json"
-if not path.exists():
-    print(f"omni-serve: no summary at {path}")
-    raise SystemExit
-s = json.loads(path.read_text())
-print(f"omni-serve: checkpoints built in {s.get('build_s')} s; DiT tensors {s.get('dit_bytes')} bytes; "
-      f"tolerance {s.get('tolerance')}")
-for name, server in s.get("servers", {}).items():
-    print(f"omni-serve: server {name:<24} {server}")
-for strategy, per_rank in s.get("bytes_per_rank", {}).items():
-    print(f"omni-serve: bytes read per rank, {strategy:<10} {per_rank}")
-for name, d in s.get("distances", {}).items():
-    print(f"omni-serve: distance {name:<40} mean |diff| {d['mean_abs']:.3f}, max |diff| {d['max_abs']}, "
-          f"identical bytes {d['identical_bytes']}")
-print(f"omni-serve: proof wall time {s.get('stage_s')} s (logs under {work / 'logs'})")
+paths = sorted(work.rglob("summary*.json"))  # summary.json (Wan2.2), <family>/summary-<family>.json
+if not paths:
+    print(f"omni-serve: no summary under {work}")
+for path in paths:
+    s = json.loads(path.read_text())
+    tag = path.stem.removeprefix("summary").strip("-") or "wan2.2"
+    print(f"omni-serve: [{tag}] checkpoints built in {s.get('build_s')} s; DiT tensors {s.get('dit_bytes')} bytes; "
+          f"tolerance {s.get('tolerance')}")
+    for name, server in s.get("servers", {}).items():
+        print(f"omni-serve: [{tag}] server {name:<24} {server}")
+    for strategy, per_rank in s.get("bytes_per_rank", {}).items():
+        print(f"omni-serve: [{tag}] bytes read per rank, {strategy:<10} {per_rank}")
+    for name, d in s.get("distances", {}).items():
+        print(f"omni-serve: [{tag}] distance {name:<40} mean |diff| {d['mean_abs']:.3f}, max |diff| {d['max_abs']}, "
+              f"identical bytes {d['identical_bytes']}")
+    print(f"omni-serve: [{tag}] proof wall time {s.get('stage_s')} s (logs under {path.parent / 'logs'})")
 PY
 echo "omni-serve: stage wall time $(( $(date +%s) - start ))s"
 
