@@ -190,3 +190,77 @@ def test_vllm_omnis_flux_pipeline_loads_the_merged_weights_through_our_path(omni
     reports = [m for m in logs.messages(logging.INFO) if m.startswith("diffusion-hsdp load report: ")]
     assert any(" component=transformer " in m and " lora_targets=16 " in m for m in reports), reports
     assert any(" component=text_encoder_2 " in m for m in reports), reports  # vllm-omni's T5 source, read by us
+
+
+# --- rank_local at 2 ranks: the DiT's rows rank-locally, vllm-omni's T5 source whole ----------------------------
+def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
+    """One rank of a vllm-omni diffusion worker loading ``FluxPipeline`` with ``full``, then ``rank_local``."""
+    from vllm_diffusion_plugin.doors.omni import apply_patches
+
+    import_omni()
+    apply_patches()  # before the names below are imported: they must be the patched ones
+    from torch.distributed.tensor import DTensor
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.load import LoadConfig
+    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.distributed import parallel_state
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    out = {}
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
+                                                    distributed_init_method="env://", backend="gloo")
+        parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True, backend="gloo")
+        for strategy in ("full", "rank_local"):
+            options = {"lora_path": [f"transformer={lora}"], "hsdp_weight_load": strategy}
+            od_config = OmniDiffusionConfig(**extract_diffusion_stage_config_kwargs(dict(
+                model=root, model_class_name="FluxPipeline", dtype="float32", load_format=FLAG, use_hsdp=True,
+                hsdp_shard_size=world_size, additional_config={"diffusion_hsdp": options}), stage_id=0))
+            od_config.enrich_config()
+            loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
+            with set_forward_context(vllm_config=config, omni_diffusion_config=od_config):
+                model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+            reports = {c.name: c.bytes_read for c in loader._diffusion_hsdp_state["report"].components}
+            params = {}
+            for component in ("transformer", "text_encoder_2"):
+                for n, p in getattr(model, component).named_parameters():
+                    params[f"{component}.{n}"] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            sharded = all(isinstance(p, DTensor) for p in model.transformer.parameters())
+            out[strategy] = {"bytes": reports, "sharded": sharded, "params": params if rank == 0 else {}}
+            del model
+    return out
+
+
+def tensor_bytes(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            total += sum(f.get_tensor(k).nbytes for k in f.keys())
+    return total
+
+
+def test_rank_local_reads_the_dits_rows_and_the_t5_source_whole_at_two_ranks(omni, flux, monkeypatch):
+    """FLUX.1's pipeline reads its T5 encoder through the DiT loader (a second weight source), which vllm-omni
+    does not shard. Before ``rank_local.split_sources``, ``rank_local`` refused this pipeline ("do not match")."""
+    sys.path.insert(0, str(HERE.parent))
+    from dist_utils import run_distributed
+
+    monkeypatch.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")  # vllm-omni picks its platform when first imported
+    results = run_distributed(flux_rank_worker, 2, args=(str(flux.root), str(flux.lora)), timeout_s=600,
+                              start_method="spawn")
+    dit, t5 = tensor_bytes(flux.root / "transformer"), tensor_bytes(flux.root / "text_encoder_2")
+    local = [r["rank_local"]["bytes"] for r in results]
+    print(f"\n[bytes read] rank_local {local}; full {[r['full']['bytes'] for r in results]} (DiT {dit}, T5 {t5})")
+    assert [r["full"]["bytes"] for r in results] == [{"transformer": dit, "text_encoder_2": t5}] * 2
+    assert sum(b["transformer"] for b in local) == dit and max(b["transformer"] for b in local) <= 0.6 * dit
+    assert [b["text_encoder_2"] for b in local] == [t5, t5]  # not sharded: every rank reads it whole
+    assert all(r["rank_local"]["sharded"] and r["full"]["sharded"] for r in results)
+    want, got = results[0]["full"]["params"], results[0]["rank_local"]["params"]
+    assert sorted(got) == sorted(want) and any(".to_qkv." in n for n in got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
