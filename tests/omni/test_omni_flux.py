@@ -69,8 +69,9 @@ def test_the_runnable_folder_runs_in_diffusers(flux):
 def default_stage(root: Path, *, original: bool = False):
     from vllm_omni.config.config_factory import StageConfigFactory
 
+    lora = root.parent / "lora_comfyui.safetensors"
     kwargs = {"model": str(root), "dtype": "float32", "load_format": FLAG,
-              "additional_config": {"diffusion_hsdp": {"lora_path": [f"transformer={root.parent}/lora_comfyui.safetensors"]}}}
+              "additional_config": {"diffusion_hsdp": {"lora_path": [f"transformer={lora}"]}}}
     if not original:
         return StageConfigFactory.create_typed_default_diffusion(str(root), kwargs)
     normalize = StageConfigFactory._normalize_default_diffusion

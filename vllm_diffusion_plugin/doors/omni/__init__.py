@@ -20,9 +20,9 @@ Units (one module each, documented there: why, how, versions, when to remove):
 - ``patch_default_stage``: the flag kept in the generic diffusion stage vllm-omni builds for a pipeline without
   a deploy YAML (FLUX.1, ...), whose engine arguments otherwise lose ``load_format``.
 
-``load-format``, ``postprocess``, ``load-path``, ``serve-flag`` and ``default-stage`` are required by the flag: when one of them
-does not recognize the installed vllm-omni and ``--load-format diffusion-hsdp`` is on the command line, the
-server stops at startup (``_patching.LoadFormatUnavailable``) instead of serving vllm-omni's own load.
+``load-format``, ``postprocess``, ``load-path``, ``serve-flag`` and ``default-stage`` are required by the flag:
+when one of them does not recognize the installed vllm-omni and ``--load-format diffusion-hsdp`` is on the command
+line, the server stops at startup (``_patching.LoadFormatUnavailable``) instead of serving vllm-omni's own load.
 """
 
 from __future__ import annotations
