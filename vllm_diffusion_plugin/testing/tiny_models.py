@@ -27,6 +27,7 @@ PIPELINES = {
 }
 RUNTIME_WRITERS: dict[str, str] = {
     "wan": f"{__name__}:write_wan_runtime_components",
+    "flux": "vllm_diffusion_plugin.testing.tiny_flux:write_runtime_components",
 }
 """``kind`` -> ``"module:function"`` writing the pipeline's other components (text encoders, tokenizers, VAE,
 scheduler) under a folder, called as ``function(root, seed=, dtype=)``; returns their ``model_index.json``

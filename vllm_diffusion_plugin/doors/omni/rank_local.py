@@ -12,7 +12,9 @@ Then, per DiT: shard on ``meta`` with vllm-omni's own ``apply_hsdp_to_model`` (i
 its mesh and mixed-precision policy), allocate only the local shards, read this rank's rows of the bound
 checkpoint tensors straight into them (``engine.strategies.rank_local.read_bound_rows``: ``pread``, ~1/S of
 the bytes per rank), fuse LoRA into the same rows (``fuse_bound_rows``: ``B[key rows] @ A``, our device rule),
-check nothing is left on ``meta``. vllm-omni's post-load processing (ours, HSDP-aware: ``patch_postprocess``)
+check nothing is left on ``meta``. A weight source that is not a DiT vllm-omni shards (FLUX.1's T5 encoder,
+which its pipeline reads through the same loader) is read whole on every rank, as ``full`` reads it
+(:func:`split_sources`). vllm-omni's post-load processing (ours, HSDP-aware: ``patch_postprocess``)
 and its placement of VAEs / encoders follow, as in its own HSDP path.
 """
 
@@ -227,6 +229,25 @@ def _shard_on_meta(module: nn.Module, hsdp_config: Any, device: torch.device) ->
     materialize_local_shards(module, device, {})
 
 
+def split_sources(model: nn.Module, sources: Sequence[Any], outermost: tuple[Sequence[str], Sequence[nn.Module]]):
+    """``(dits, whole)``: the weight sources of the DiTs vllm-omni shards (read rank-locally) and the others, e.g.
+    FLUX.1's ``text_encoder_2`` (a T5 encoder vllm-omni keeps whole on every rank: read whole, as ``full`` does).
+    Every sharded DiT must have its own source, and no other source may hold or sit inside a DiT."""
+    outer_names, outer = outermost
+    outer_ids = {id(m) for m in outer}
+    modules = {s.component: model.get_submodule(s.prefix.rstrip(".")) for s in sources}
+    dits = [s for s in sources if id(modules[s.component]) in outer_ids]
+    whole = [s for s in sources if id(modules[s.component]) not in outer_ids]
+    inside = {id(m) for dit in outer for m in dit.modules()}
+    mixed = [s for s in whole if id(modules[s.component]) in inside
+             or any(id(m) in outer_ids for m in modules[s.component].modules())]
+    if {id(modules[s.component]) for s in dits} != outer_ids or mixed:
+        raise ValueError(f"hsdp_weight_load=rank_local reads the DiTs vllm-omni shards ({', '.join(outer_names)}) "
+                         f"from their own weight sources ({', '.join(s.prefix or '<root>' for s in sources)}), and "
+                         f"these do not match in {type(model).__name__}; use hsdp_weight_load=full or broadcast")
+    return dits, whole
+
+
 def load_model(loader: Any, prepare, *, target_device: torch.device | None, load_format: str,
                custom_pipeline_name: Any) -> nn.Module:
     """vllm-omni's HSDP load of a pipeline with every DiT read rank-locally (see the module doc).
@@ -248,16 +269,15 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     hsdp_config = HSDPInferenceConfig(enabled=True, hsdp_replicate_size=parallel.hsdp_replicate_size,
                                       hsdp_shard_size=parallel.hsdp_shard_size, param_dtype=loader.od_config.dtype)
     model = loader._init_from_load_format(load_format, device, custom_pipeline_name, is_hsdp=True)
-    dits = prepare(model)
+    sources = prepare(model)
     discovered = ModuleDiscovery.discover(model)
-    outer_names, outer = discovered.outermost_dits()
+    dits, whole = split_sources(model, sources, discovered.outermost_dits())
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
-    if {id(m) for m in modules.values()} != {id(m) for m in outer}:
-        raise ValueError(f"hsdp_weight_load=rank_local reads the DiTs vllm-omni shards ({', '.join(outer_names)}) "
-                         f"from their weight sources ({', '.join(d.prefix or '<root>' for d in dits)}), and these "
-                         f"do not match in {type(model).__name__}; use hsdp_weight_load=full or broadcast")
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
     bindings, loaded = trace_bindings(model, dits)
+    if whole:  # e.g. FLUX.1's T5 encoder: not sharded by vllm-omni, so every rank reads all of it
+        whole_loaded = model.load_weights(load_path.stream(whole))
+        loaded = None if loaded is None or whole_loaded is None else loaded | set(whole_loaded)
     load_path.check_loaded(model, loader._get_expected_parameter_names(model), loaded, quantized=False,
                            exempt_suffixes=())
     for dit in dits:

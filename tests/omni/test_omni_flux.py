@@ -1,0 +1,267 @@
+"""FLUX.1 through vllm-omni's own ``FluxPipeline`` (in-process, real vllm-omni 0.30 classes; the real servers are
+tests/serve/test_serve_flux.py):
+
+- the runnable tiny folder (``write_tiny_pipeline(DIR, "flux", runnable=True)``) runs in diffusers' pipeline;
+- ``patch_default_stage``: vllm-omni's generic diffusion stage (FLUX.1 has no deploy YAML) keeps
+  ``--load-format diffusion-hsdp`` (stock vllm-omni drops it and our options are refused);
+- ``cpu.patch_activation_ops``: vLLM 0.30's activation layers build on the CPU (stock: ``torch.ops._C`` lacks
+  ``gelu_new``, so vllm-omni's T5 encoder cannot be built);
+- vllm-omni's ``FluxPipeline`` loads its DiT through our path with a ComfyUI-layout LoRA and holds diffusers'
+  merged weights, stacked into its ``to_qkv`` / ``add_kv_proj``, single block included.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from omni_support import captured_logs, import_omni
+
+from vllm_diffusion_plugin.doors.omni import patch_default_stage
+from vllm_diffusion_plugin.doors.omni.serve_options import CARRIED_KEY
+from vllm_diffusion_plugin.testing.lora_layouts import write_layout
+from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+
+import_omni()  # skips this module where vllm-omni is not installed
+
+FLAG = "diffusion-hsdp"
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    """A runnable tiny FLUX.1 folder and a ComfyUI-layout LoRA for its DiT."""
+    root = write_tiny_pipeline(tmp_path_factory.mktemp("flux") / "pipe", "flux", runnable=True)
+    lora = root.parent / "lora_comfyui.safetensors"
+    write_layout("flux", "comfyui", lora)
+    return types.SimpleNamespace(root=root, lora=lora)
+
+
+def test_the_runnable_folder_runs_in_diffusers(flux):
+    import json
+
+    from diffusers import FluxPipeline
+
+    index = json.loads((flux.root / "model_index.json").read_text())
+    assert {k for k, v in index.items() if isinstance(v, list) and v[0]} == {
+        "transformer", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae", "scheduler"}
+    assert len(glob.glob(str(flux.root / "transformer" / "*.safetensors"))) >= 3
+    assert (flux.root / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    pipe = FluxPipeline.from_pretrained(flux.root, torch_dtype=torch.float32)
+    assert pipe.text_encoder.config.hidden_size == pipe.transformer.config.pooled_projection_dim
+    assert pipe.text_encoder_2.config.d_model == pipe.transformer.config.joint_attention_dim
+    ids = pipe.tokenizer("a red cat sits on the beach").input_ids
+    assert ids[0] == pipe.tokenizer.bos_token_id and ids[-1] == pipe.tokenizer.eos_token_id and len(ids) == 9
+    image = pipe("a red cat sits on the beach", height=32, width=32, num_inference_steps=2,
+                 generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=16).images
+    assert image.shape == (1, 32, 32, 3) and 0.1 < float(image.std()) and float(image.mean()) < 0.9
+
+
+# --- the generic diffusion stage keeps the flag ---------------------------------------------------------------
+def default_stage(root: Path, *, original: bool = False):
+    from vllm_omni.config.config_factory import StageConfigFactory
+
+    lora = root.parent / "lora_comfyui.safetensors"
+    kwargs = {"model": str(root), "dtype": "float32", "load_format": FLAG,
+              "additional_config": {"diffusion_hsdp": {"lora_path": [f"transformer={lora}"]}}}
+    if not original:
+        return StageConfigFactory.create_typed_default_diffusion(str(root), kwargs)
+    normalize = StageConfigFactory._normalize_default_diffusion
+    with pytest.MonkeyPatch.context() as mp:  # stock vllm-omni: the builder without our wrapper
+        mp.setattr(StageConfigFactory, "_normalize_default_diffusion", classmethod(normalize.__func__.__wrapped__))
+        return StageConfigFactory.create_typed_default_diffusion(str(root), kwargs)
+
+
+def test_the_default_diffusion_stage_keeps_the_flag(omni, flux):
+    from vllm_diffusion_plugin.doors.omni import patch_status
+
+    assert patch_status()[patch_default_stage.NAME] == "applied"
+    stage = default_stage(flux.root).stage_configs[0]
+    assert stage.load_config.load_format == FLAG
+    assert stage.diffusion_config.additional_config[CARRIED_KEY] == FLAG
+
+
+def test_stock_vllm_omni_drops_the_flag_and_refuses_our_options(omni, flux):
+    with pytest.raises(ValueError, match=r"read only with --load-format diffusion-hsdp \(this stage's load "
+                                         r"format: None\)"):
+        default_stage(flux.root, original=True)
+
+
+# --- vLLM's activation layers on the CPU ----------------------------------------------------------------------
+def test_vllms_activation_layers_build_on_the_cpu_with_the_unit():
+    """In a fresh interpreter (the ops, once defined, stay): stock vLLM 0.30 cannot build ``NewGELU`` on the CPU;
+    with the unit it builds, and each defined op computes the layer's own ``forward_native``."""
+    script = """
+        import torch
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.model_executor.layers import activation
+        context = set_current_vllm_config(VllmConfig())  # kept: its generator restores the config when collected
+        context.__enter__()
+        try:
+            activation.NewGELU()
+        except AttributeError as exc:
+            print("STOCK-FAILS", exc)
+        from vllm_diffusion_plugin.doors.omni.cpu import patch_activation_ops as unit
+        assert unit.apply(activation) == "applied" and unit.apply(activation) == "already applied"
+        x = torch.randn(3, 8, dtype=torch.float64)
+        layers = {"gelu_new": activation.NewGELU(), "gelu_fast": activation.FastGELU(),
+                  "gelu_quick": activation.QuickGELU(), "silu_and_mul": activation.SiluAndMul(),
+                  "gelu_and_mul": activation.GeluAndMul(), "gelu_tanh_and_mul": activation.GeluAndMul("tanh")}
+        for op, layer in layers.items():
+            want = layer.forward_native(x)
+            out = torch.empty_like(want)
+            getattr(torch.ops._C, op)(out, x)
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+            torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+        print("UNIT-OK", sorted(layers))
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION_")} | {"VLLM_TARGET_DEVICE": "cpu"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=300, cwd=HERE, env=env, check=False)
+    assert "STOCK-FAILS" in done.stdout and "gelu_new" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "UNIT-OK" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# --- vllm-omni's FluxPipeline through our path -----------------------------------------------------------------
+def diffusers_merged(flux) -> dict[str, torch.Tensor]:
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(flux.root, torch_dtype=torch.float32)
+    pipe.load_lora_weights(str(flux.lora))
+    pipe.fuse_lora(components=["transformer"], lora_scale=1.0)
+    pipe.unload_lora_weights()
+    return {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+
+
+STACKED = {"to_q": ("to_qkv", 0), "to_k": ("to_qkv", 1), "to_v": ("to_qkv", 2),
+           "add_q_proj": ("add_kv_proj", 0), "add_k_proj": ("add_kv_proj", 1), "add_v_proj": ("add_kv_proj", 2)}
+
+
+def omni_view(params: dict[str, torch.Tensor], name: str, rows: int) -> torch.Tensor:
+    """The rows of vllm-omni's parameter holding the diffusers weight ``name`` (q/k/v stacked)."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last in STACKED:
+        stacked, i = STACKED[last]
+        return params[f"{parent}.{stacked}.{leaf}"][i * rows:(i + 1) * rows]
+    return params.get(name, params.get(name.replace(".to_out.0.", ".to_out.")))
+
+
+def test_vllm_omnis_flux_pipeline_loads_the_merged_weights_through_our_path(omni_world, flux):
+    from vllm.config.load import LoadConfig
+    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    fields = extract_diffusion_stage_config_kwargs({
+        "model": str(flux.root), "dtype": "float32", "model_class_name": "FluxPipeline", "load_format": FLAG,
+        "additional_config": {"diffusion_hsdp": {"lora_path": [f"transformer={flux.lora}"]}}}, stage_id=0)
+    od_config = OmniDiffusionConfig(**fields)
+    od_config.enrich_config()  # the transformer's config.json, as the engine reads it before the workers start
+    loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
+    with set_forward_context(vllm_config=omni_world, omni_diffusion_config=od_config), \
+            captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
+        model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+    assert type(model).__name__ == "FluxPipeline"
+    merged = diffusers_merged(flux)
+    params = dict(model.transformer.named_parameters())
+    base = {}
+    from safetensors.torch import load_file
+
+    for file in glob.glob(str(flux.root / "transformer" / "*.safetensors")):
+        base.update(load_file(file))
+    fused = []
+    for name, want in merged.items():
+        got = omni_view(params, name, want.shape[0])
+        assert got is not None, name
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+        if not torch.equal(want, base[name]):
+            fused.append(name)
+    assert len(fused) == 16 and {"single_transformer_blocks.0.proj_out.weight",
+                                 "single_transformer_blocks.0.norm.linear.weight"} <= set(fused), fused
+    reports = [m for m in logs.messages(logging.INFO) if m.startswith("diffusion-hsdp load report: ")]
+    assert any(" component=transformer " in m and " lora_targets=16 " in m for m in reports), reports
+    assert any(" component=text_encoder_2 " in m for m in reports), reports  # vllm-omni's T5 source, read by us
+
+
+# --- rank_local at 2 ranks: the DiT's rows rank-locally, vllm-omni's T5 source whole ----------------------------
+def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
+    """One rank of a vllm-omni diffusion worker loading ``FluxPipeline`` with ``full``, then ``rank_local``."""
+    from vllm_diffusion_plugin.doors.omni import apply_patches
+
+    import_omni()
+    apply_patches()  # before the names below are imported: they must be the patched ones
+    from torch.distributed.tensor import DTensor
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.load import LoadConfig
+    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.distributed import parallel_state
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    out = {}
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        parallel_state.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
+                                                    distributed_init_method="env://", backend="gloo")
+        parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True, backend="gloo")
+        for strategy in ("full", "rank_local"):
+            options = {"lora_path": [f"transformer={lora}"], "hsdp_weight_load": strategy}
+            od_config = OmniDiffusionConfig(**extract_diffusion_stage_config_kwargs(dict(
+                model=root, model_class_name="FluxPipeline", dtype="float32", load_format=FLAG, use_hsdp=True,
+                hsdp_shard_size=world_size, additional_config={"diffusion_hsdp": options}), stage_id=0))
+            od_config.enrich_config()
+            loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
+            with set_forward_context(vllm_config=config, omni_diffusion_config=od_config):
+                model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+            reports = {c.name: c.bytes_read for c in loader._diffusion_hsdp_state["report"].components}
+            params = {}
+            for component in ("transformer", "text_encoder_2"):
+                for n, p in getattr(model, component).named_parameters():
+                    params[f"{component}.{n}"] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+            sharded = all(isinstance(p, DTensor) for p in model.transformer.parameters())
+            out[strategy] = {"bytes": reports, "sharded": sharded, "params": params if rank == 0 else {}}
+            del model
+    return out
+
+
+def tensor_bytes(folder: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            total += sum(f.get_tensor(k).nbytes for k in f.keys())
+    return total
+
+
+def test_rank_local_reads_the_dits_rows_and_the_t5_source_whole_at_two_ranks(omni, flux, monkeypatch):
+    """FLUX.1's pipeline reads its T5 encoder through the DiT loader (a second weight source), which vllm-omni
+    does not shard. Before ``rank_local.split_sources``, ``rank_local`` refused this pipeline ("do not match")."""
+    sys.path.insert(0, str(HERE.parent))
+    from dist_utils import run_distributed
+
+    monkeypatch.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")  # vllm-omni picks its platform when first imported
+    results = run_distributed(flux_rank_worker, 2, args=(str(flux.root), str(flux.lora)), timeout_s=600,
+                              start_method="spawn")
+    dit, t5 = tensor_bytes(flux.root / "transformer"), tensor_bytes(flux.root / "text_encoder_2")
+    local = [r["rank_local"]["bytes"] for r in results]
+    print(f"\n[bytes read] rank_local {local}; full {[r['full']['bytes'] for r in results]} (DiT {dit}, T5 {t5})")
+    assert [r["full"]["bytes"] for r in results] == [{"transformer": dit, "text_encoder_2": t5}] * 2
+    assert sum(b["transformer"] for b in local) == dit and max(b["transformer"] for b in local) <= 0.6 * dit
+    assert [b["text_encoder_2"] for b in local] == [t5, t5]  # not sharded: every rank reads it whole
+    assert all(r["rank_local"]["sharded"] and r["full"]["sharded"] for r in results)
+    want, got = results[0]["full"]["params"], results[0]["rank_local"]["params"]
+    assert sorted(got) == sorted(want) and any(".to_qkv." in n for n in got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
