@@ -5,7 +5,7 @@ Sized to the tiny ``ZImageTransformer2DModel`` of ``tiny_models.TINY_CONFIGS["z-
 whose hidden size is the DiT's ``cap_feat_dim`` (both ZImage pipelines, diffusers' and vllm-omni's, feed the DiT the
 second-to-last hidden state, so two layers), a Qwen2 byte-level BPE tokenizer with Qwen3's chat template
 (``tiny_tokenizers.qwen2_tokenizer``), an ``AutoencoderKL`` with ``latent_channels`` == the DiT's ``in_channels``
-(2 blocks: 2x spatial, so with the DiT's patch 2 an image side must be a multiple of 4), and Z-Image-Turbo's
+(8x spatial), and Z-Image-Turbo's
 ``FlowMatchEulerDiscreteScheduler`` (shift 3, no dynamic shifting). Every parameter is seeded.
 """
 
@@ -19,11 +19,14 @@ TINY_Z_IMAGE_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers
                          num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
 """``Qwen3Config`` of the text encoder (``hidden_size`` == the DiT's ``cap_feat_dim``; tied embeddings like
 Qwen3-4B, so the checkpoint holds no ``lm_head``; 1024 positions cover the pipelines' 512-token padding)."""
-TINY_Z_IMAGE_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+TINY_Z_IMAGE_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
                         latent_channels=4, norm_num_groups=4, sample_size=32, scaling_factor=0.3611,
                         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-"""``AutoencoderKL`` config (Z-Image's FLUX VAE at toy size: no quant convs, its scaling and shift factors)."""
+"""``AutoencoderKL`` config: Z-Image's FLUX VAE at toy width -- 4 blocks, so 8x spatial like the real one (with the
+DiT's patch 2 an image side is a multiple of 16), no quant convs, its scaling and shift factors. Not fewer blocks:
+vllm-omni's startup warmup generates 512x512, whose 32x32 patch grid must fit the tiny DiT's rope table
+(``axes_lens`` 32)."""
 TINY_Z_IMAGE_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 

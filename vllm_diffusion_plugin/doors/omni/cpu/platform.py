@@ -12,8 +12,9 @@ omni platform, each found by running a real server:
   ``max_memory_allocated``) is the process's peak RSS, reset by ``reset_peak_memory_stats`` through
   Linux's ``/proc/self/clear_refs`` where the kernel allows it;
 - diffusion attention through torch SDPA (:mod:`.attention`);
-- the worker output thread without device streams (patch unit :mod:`.patch_output_stream`, installed when
-  this platform is constructed, i.e. only in processes that resolved it).
+- the worker output thread without device streams (patch unit :mod:`.patch_output_stream`), and the
+  ``torch.ops._C`` activation kernels vLLM 0.30's layers bind on a CPU (:mod:`.patch_activation_ops`), both
+  installed when this platform is constructed, i.e. only in processes that resolved it.
 
 It is a diffusion-only platform: vllm-omni's autoregressive and generation workers are refused by name.
 """
@@ -34,7 +35,7 @@ from vllm_diffusion_plugin.doors.omni import _patching
 ATTENTION_BACKEND = "vllm_diffusion_plugin.doors.omni.cpu.attention.CpuSDPABackend"
 SUPPORTED_ATTENTION = ("TORCH_SDPA", "SDPA")
 """Backend names a user may select explicitly (``--diffusion-attention-backend`` / attention config)."""
-PATCH_UNITS = ("cpu.patch_output_stream",)
+PATCH_UNITS = ("cpu.patch_output_stream", "cpu.patch_activation_ops")
 VISIBLE_DEVICES_VAR = "VLLM_DIFFUSION_OMNI_CPU_VISIBLE_DEVICES"
 """Where vllm-omni writes a stage's device list (``device_control_env_var``). Not vLLM's
 ``CPU_VISIBLE_MEMORY_NODES``: rank numbers are not NUMA nodes."""
