@@ -24,9 +24,7 @@ FAMILIES = {  # pipeline, transformer class, tiny config
     "qwen_image": ("QwenImagePipeline", "QwenImageTransformer2DModel", dict(
         patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
-    "z_image": ("ZImagePipeline", "ZImageTransformer2DModel", dict(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2,
-        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])),
+    "z_image": ("ZImagePipeline", "ZImageTransformer2DModel", TINY_CONFIGS["z-image"]),
 }
 RANK = 4
 

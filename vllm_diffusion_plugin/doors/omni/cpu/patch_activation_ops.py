@@ -1,26 +1,24 @@
-"""Patch (CPU platform only): the ``torch.ops._C`` activation kernels vLLM 0.30's layers look up on a CPU host.
+"""Patch (CPU platform only): the ``torch.ops._C`` activation kernels vLLM's activation layers bind on a CPU.
 
-Why. On ``CpuPlatform`` vLLM 0.30-0.32 binds a custom op in the ``__init__`` of some activation layers
-(``model_executor/layers/activation.py``: ``if is_cuda_alike() or is_cpu() or is_xpu(): self.op =
-torch.ops._C.gelu_new``). Those ops come from vLLM's own CPU build (``vllm._C``); the PyPI wheel is the CUDA
-build, whose ``_C`` does not import on a CPU-only host, so building the layer raises ``AttributeError:
-'_OpNamespace' '_C' object has no attribute 'gelu_new'``. vllm-omni's T5 encoder (FLUX.1's ``text_encoder_2``,
-``get_act_fn("gelu_new")`` for T5's gated GELU) is built that way: the worker dies at startup. On x86 the
-layers' ``forward_cpu`` never calls the op (``forward_native``); only the lookup fails.
+Why. On ``CpuPlatform`` vLLM 0.30-0.32 binds a custom kernel in the ``__init__`` of several activation layers
+(``vllm/model_executor/layers/activation.py``, e.g. ``SiluAndMul``: ``if is_cuda_alike() or is_cpu() or
+is_xpu(): self.op = torch.ops._C.silu_and_mul``). Those kernels come from vLLM's CPU build (``vllm._C``); the
+PyPI wheel is the CUDA build, whose ``_C`` library does not load on a CPU-only host, so building any DiT with
+such a layer fails: Z-Image's feed-forward (``SiluAndMul``), seen in a real ``vllm serve --omni`` on the CPU as
+"Orchestrator initialization failed: '_OpNamespace' '_C' object has no attribute 'silu_and_mul'". The x86
+CPU forward never calls the kernel (``forward_cpu`` -> ``forward_native``; only POWERPC takes it).
 
-How. When ``vllm.model_executor.layers.activation`` is imported (at once if it already is), each op of
-:data:`OPS` that ``torch.ops._C`` lacks is defined in a ``torch.library`` fragment of the ``_C`` namespace, with
-vLLM's out-variant schema (``op(Tensor(a!) out, Tensor input) -> ()``) and the math of the layer's own
-``forward_native``; an op ``_C`` already has is left alone. Before anything is defined, each layer class of
-:data:`OPS` must still bind its ops under ``is_cpu()`` in ``__init__`` and fall back to ``forward_native`` in
-``forward_cpu`` (source checked); otherwise the unit is skipped (and the CPU platform refuses to start a
-worker, ``platform.require_patches_applied``). Installed only by ``CpuOmniPlatform`` (only in processes that
-resolved the CPU platform, ``VLLM_DIFFUSION_OMNI_CPU=1``), never by ``register()``.
+How. The missing ops among :data:`OPS` -- the ``(Tensor(a!) out, Tensor input) -> ()`` kernels those layers
+bind on a CPU -- are defined in a ``torch.library`` fragment of ``_C`` with vLLM's own ``forward_native`` math
+(written into ``out``), so the lookup in ``__init__`` succeeds; ops that ``_C`` has (a CPU build of vLLM) are
+left alone. Installed only by ``CpuOmniPlatform`` (only in processes that resolved the CPU platform, i.e.
+under ``VLLM_DIFFUSION_OMNI_CPU=1``), never by ``register()``. Idempotent: defined once per process.
 
-Versions. vLLM 0.30-0.32 look the ops up on every CPU; 0.33+ only on POWERPC (nothing missing there, nothing
-defined). Idempotent: a second call finds the ops present.
+Versions. Recognized shape: vLLM 0.30-0.32's ``activation`` module, whose layers of :data:`OPS` bind
+``torch.ops._C.<op>`` in ``__init__`` under ``current_platform.is_cpu()``. vLLM 0.33+ binds them on a CPU
+only for POWERPC: nothing is defined then (the unit reports "already applied").
 
-Remove when the vLLM that vllm-omni runs with no longer binds ``_C`` ops on x86 CPUs (0.33+), or ships them.
+Remove when the served vLLM no longer binds ``_C`` kernels on x86 CPUs (vLLM >= 0.33).
 """
 
 from __future__ import annotations
@@ -42,98 +40,54 @@ TARGET = "vllm.model_executor.layers.activation"
 SCHEMA = "{}(Tensor(a!) out, Tensor input) -> ()"
 
 
-def _half(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d = x.shape[-1] // 2
-    return x[..., :d], x[..., d:]
+def _halves(fn):
+    def op(out: torch.Tensor, x: torch.Tensor) -> None:
+        d = x.shape[-1] // 2
+        out.copy_(fn(x[..., :d]) * x[..., d:])
+    return op
 
 
-def _silu_and_mul(x):
-    gate, up = _half(x)
-    return F.silu(gate) * up
-
-
-def _gelu_and_mul(x):
-    gate, up = _half(x)
-    return F.gelu(gate) * up
-
-
-def _gelu_tanh_and_mul(x):
-    gate, up = _half(x)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def _gelu_new(x):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
-
-
-def _gelu_fast(x):
-    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
-
-
-def _gelu_quick(x):
-    return x * torch.sigmoid(1.702 * x)
-
-
-OPS: dict[str, dict[str, Any]] = {
-    "SiluAndMul": {"silu_and_mul": _silu_and_mul},
-    "GeluAndMul": {"gelu_and_mul": _gelu_and_mul, "gelu_tanh_and_mul": _gelu_tanh_and_mul},
-    "NewGELU": {"gelu_new": _gelu_new},
-    "FastGELU": {"gelu_fast": _gelu_fast},
-    "QuickGELU": {"gelu_quick": _gelu_quick},
-}
-"""Layer class of ``vllm.model_executor.layers.activation`` -> the ``_C`` ops its ``__init__`` binds on a CPU,
-each with its ``forward_native`` math (input -> output)."""
-
-_LIBRARY: torch.library.Library | None = None
-"""The ``_C`` fragment holding the ops defined here (kept alive: dropping it would unregister them)."""
-
-
-def _source(obj: Any, where: str) -> str:
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError) as exc:
-        raise UnrecognizedShape(f"{where}: no source to check ({exc})") from exc
-
-
-def _check_shape(module: Any) -> None:
-    for cls_name, ops in OPS.items():
-        cls = require_attr(module, cls_name, module.__name__)
-        where = f"{module.__name__}.{cls_name}"
-        init = _source(require_attr(cls, "__init__", where), f"{where}.__init__")
-        forward_cpu = _source(require_attr(cls, "forward_cpu", where), f"{where}.forward_cpu")
-        if "is_cpu()" not in init or any(f"torch.ops._C.{op}" not in init for op in ops):
-            raise UnrecognizedShape(f"{where}.__init__ no longer binds torch.ops._C.{'/'.join(ops)} on a CPU "
-                                    f"platform as vLLM 0.30 does")
-        if "forward_native" not in forward_cpu:
-            raise UnrecognizedShape(f"{where}.forward_cpu no longer falls back to forward_native")
-
-
-def missing_ops() -> list[str]:
-    """The ops of :data:`OPS` that ``torch.ops._C`` does not have in this process."""
-    return [op for ops in OPS.values() for op in ops if not hasattr(torch.ops._C, op)]
-
-
-def _out_variant(fn):
-    def impl(out: torch.Tensor, x: torch.Tensor) -> None:
+def _whole(fn):
+    def op(out: torch.Tensor, x: torch.Tensor) -> None:
         out.copy_(fn(x))
+    return op
 
-    return impl
+
+_C0 = math.sqrt(2.0 / math.pi)
+OPS: dict[str, tuple[str, Any]] = {  # op -> (the layer class binding it, vLLM's forward_native math)
+    "silu_and_mul": ("SiluAndMul", _halves(F.silu)),
+    "gelu_and_mul": ("GeluAndMul", _halves(lambda x: F.gelu(x, approximate="none"))),
+    "gelu_tanh_and_mul": ("GeluAndMul", _halves(lambda x: F.gelu(x, approximate="tanh"))),
+    "gelu_new": ("NewGELU", _whole(lambda x: 0.5 * x * (1.0 + torch.tanh(_C0 * (x + 0.044715 * torch.pow(x, 3.0)))))),
+    "gelu_fast": ("FastGELU", _whole(lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))))),
+    "gelu_quick": ("QuickGELU", _whole(lambda x: x * torch.sigmoid(1.702 * x))),
+}
+_state: dict[str, Any] = {"lib": None, "defined": []}
+
+
+def binds_on_cpu(module: Any, op: str, class_name: str) -> bool:
+    """Whether ``class_name.__init__`` of ``module`` binds ``torch.ops._C.<op>`` on a CPU (0.30-0.32 shape)."""
+    init = require_attr(require_attr(module, class_name, module.__name__), "__init__", f"{module.__name__}.{class_name}")
+    try:
+        source = inspect.getsource(init)
+    except (OSError, TypeError) as exc:
+        raise UnrecognizedShape(f"{module.__name__}.{class_name}.__init__: no source to check ({exc})") from exc
+    if f"torch.ops._C.{op}" not in source:
+        raise UnrecognizedShape(f"{module.__name__}.{class_name}.__init__ no longer binds torch.ops._C.{op}")
+    return "is_cpu()" in source and "POWERPC" not in source  # 0.33+: `is_cpu() and ... == POWERPC`
 
 
 def apply(module: Any) -> str:
-    """Define the missing ops; ``"already applied"`` when none is missing (defined before, or by vLLM's own
-    CPU build)."""
-    global _LIBRARY
-    _check_shape(module)
-    missing = missing_ops()
-    if not missing:
+    if _state["lib"] is not None:
         return "already applied"
-    if _LIBRARY is None:
-        _LIBRARY = torch.library.Library("_C", "FRAGMENT")
-    impls = {op: fn for ops in OPS.values() for op, fn in ops.items()}
+    wanted = [op for op, (cls, _) in OPS.items() if binds_on_cpu(module, op, cls)]
+    if not wanted:  # vLLM 0.33+: no layer binds a kernel on x86, nothing to define
+        return "already applied"
+    missing = [op for op in wanted if not hasattr(torch.ops._C, op)]
+    lib = torch.library.Library("_C", "FRAGMENT")
     for op in missing:
-        _LIBRARY.define(SCHEMA.format(op))
-        _LIBRARY.impl(op, _out_variant(impls[op]), "CPU")
-    logger.info("CPU platform: defined torch.ops._C.%s with vLLM's forward_native math for vLLM's activation "
-                "layers (the PyPI wheel's _C has no CPU kernels)", ", torch.ops._C.".join(missing))
+        lib.define(SCHEMA.format(op))
+        lib.impl(op, OPS[op][1], "CPU")
+    _state.update(lib=lib, defined=missing)
+    logger.debug("CPU platform: defined torch.ops._C.{%s} with vLLM's native math", ", ".join(missing))
     return "applied"

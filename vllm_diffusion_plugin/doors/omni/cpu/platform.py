@@ -13,7 +13,7 @@ omni platform, each found by running a real server:
   Linux's ``/proc/self/clear_refs`` where the kernel allows it;
 - diffusion attention through torch SDPA (:mod:`.attention`);
 - the worker output thread without device streams (patch unit :mod:`.patch_output_stream`), and the
-  ``torch.ops._C`` activation kernels vLLM's layers look up on a CPU (:mod:`.patch_activation_ops`), both
+  ``torch.ops._C`` activation kernels vLLM 0.30's layers bind on a CPU (:mod:`.patch_activation_ops`), both
   installed when this platform is constructed, i.e. only in processes that resolved it.
 
 It is a diffusion-only platform: vllm-omni's autoregressive and generation workers are refused by name.

@@ -1,0 +1,123 @@
+"""Z-Image without a server (the omni stage): the tiny runnable folder diffusers runs, vllm-omni's default
+diffusion stage keeping ``--load-format diffusion-hsdp`` (``patch_default_stage``), and the CPU platform's
+activation kernels (``cpu.patch_activation_ops``). The servers themselves: ``tests/serve/test_serve_z_image.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from omni_support import import_omni
+
+from vllm_diffusion_plugin.doors.omni.serve_options import CARRIED_KEY
+from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS, write_tiny_pipeline
+
+import_omni()  # skips this module where vllm-omni is not installed
+
+FLAG = "diffusion-hsdp"
+
+
+@pytest.fixture(scope="module")
+def z_image(tmp_path_factory) -> Path:
+    return write_tiny_pipeline(tmp_path_factory.mktemp("z-image") / "pipe", "z-image", runnable=True)
+
+
+def test_the_tiny_z_image_folder_runs_in_diffusers(z_image):
+    from diffusers import ZImagePipeline
+
+    index = json.loads((z_image / "model_index.json").read_text())
+    assert index["_class_name"] == "ZImagePipeline" and index["text_encoder"] == ["transformers", "Qwen3Model"]
+    assert len(list((z_image / "transformer").glob("*.safetensors"))) >= 3
+    text = json.loads((z_image / "text_encoder" / "config.json").read_text())
+    vae = json.loads((z_image / "vae" / "config.json").read_text())
+    assert text["hidden_size"] == TINY_CONFIGS["z-image"]["cap_feat_dim"]
+    assert vae["latent_channels"] == TINY_CONFIGS["z-image"]["in_channels"]
+    pipe = ZImagePipeline.from_pretrained(z_image, torch_dtype=torch.float32)
+    prompt = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "a red cat"}], tokenize=False,
+                                                add_generation_prompt=True, enable_thinking=True)
+    assert prompt == "<|im_start|>user\na red cat<|im_end|>\n<|im_start|>assistant\n"
+    assert len(pipe.tokenizer(prompt).input_ids) < 32  # special tokens are single tokens
+    image = pipe("a red cat walks on the beach", height=64, width=64, num_inference_steps=2, guidance_scale=0.0,
+                 generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert image.shape == (1, 64, 64, 3) and image.std() > 0.05
+
+
+def _default_stage(folder: Path, **cli):
+    """vllm-omni's own stage for a pipeline without a deploy YAML, as ``vllm serve DIR --omni`` builds it."""
+    from vllm_omni.config.config_factory import StageConfigFactory
+
+    kwargs = {"model": str(folder), "dtype": "float32", "model_class_name": "ZImagePipeline", **cli}
+    return StageConfigFactory.create_typed_default_diffusion(str(folder), kwargs).stage_configs[0]
+
+
+def test_the_default_diffusion_stage_keeps_our_load_format(omni, z_image):
+    options = {"diffusion_hsdp": {"lora_path": []}}
+    stage = _default_stage(z_image, load_format=FLAG, additional_config=options)
+    assert stage.diffusion_config.additional_config[CARRIED_KEY] == FLAG
+    plain = _default_stage(z_image, load_format="auto")
+    assert CARRIED_KEY not in (plain.diffusion_config.additional_config or {})  # other formats: untouched
+
+
+def test_without_the_unit_the_default_stage_drops_the_flag(omni, z_image, monkeypatch):
+    """What stock vllm-omni 0.30 does (the original under our wrapper): the load format is gone before
+    ``serve-flag`` sees it, which then refuses the options that would otherwise be ignored."""
+    from vllm_omni.config.config_factory import StageConfigFactory
+
+    original = StageConfigFactory._normalize_default_diffusion.__func__.__wrapped__
+    monkeypatch.setattr(StageConfigFactory, "_normalize_default_diffusion", classmethod(original))
+    with pytest.raises(ValueError, match=r"'diffusion_hsdp' is read only with --load-format diffusion-hsdp "
+                                         r"\(this stage's load format: None\)"):
+        _default_stage(z_image, load_format=FLAG, additional_config={"diffusion_hsdp": {"lora_path": []}})
+
+
+ACTIVATION_PROBE = textwrap.dedent("""
+    import json, torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers import activation as act
+
+    def layers():
+        return {"silu_and_mul": act.SiluAndMul(), "gelu_and_mul": act.GeluAndMul(),
+                "gelu_tanh_and_mul": act.GeluAndMul("tanh"), "gelu_new": act.NewGELU(),
+                "gelu_fast": act.FastGELU(), "gelu_quick": act.QuickGELU()}
+
+    with set_current_vllm_config(VllmConfig()):
+        result = {"op_before": hasattr(torch.ops._C, "silu_and_mul")}
+        try:
+            act.SiluAndMul()
+            result["built_before"] = True
+        except AttributeError as exc:
+            result["built_before"] = str(exc)
+        from vllm_diffusion_plugin.doors.omni.cpu import patch_activation_ops as unit
+        result["apply"] = [unit.apply(act), unit.apply(act)]
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+        diffs = {}
+        for name, layer in layers().items():
+            out = torch.empty_like(layer.forward_native(x))
+            layer.op(out, x)
+            diffs[name] = float((out - layer.forward_native(x)).abs().max())
+        result["diffs"] = diffs
+    print("RESULT " + json.dumps(result))
+""")
+
+
+def test_the_cpu_activation_kernels_vllm_binds_are_defined_with_its_native_math():
+    """In a fresh process on vLLM's CPU platform (torch.ops state is per process): before the unit, building
+    ``SiluAndMul`` fails as it did in a real Z-Image server; after it, every layer builds and its bound op
+    computes vLLM's own ``forward_native``."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_DIFFUSION_PLUGIN": "0"}
+    done = subprocess.run([sys.executable, "-c", ACTIVATION_PROBE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    line = [s for s in done.stdout.splitlines() if s.startswith("RESULT ")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    result = json.loads(line[0].removeprefix("RESULT "))
+    assert result["op_before"] is False
+    assert "silu_and_mul" in str(result["built_before"])
+    assert result["apply"] == ["applied", "already applied"]
+    assert max(result["diffs"].values()) <= 1e-6, result["diffs"]
