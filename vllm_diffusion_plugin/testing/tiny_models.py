@@ -20,13 +20,17 @@ TINY_CONFIGS: dict[str, dict] = {
                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32),
     "flux": dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
+    "qwen-image": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
 }
 PIPELINES = {
     "wan": ("WanPipeline", "WanTransformer3DModel", ("transformer", "transformer_2")),
     "flux": ("FluxPipeline", "FluxTransformer2DModel", ("transformer",)),
+    "qwen-image": ("QwenImagePipeline", "QwenImageTransformer2DModel", ("transformer",)),
 }
 RUNTIME_WRITERS: dict[str, str] = {
     "wan": f"{__name__}:write_wan_runtime_components",
+    "qwen-image": "vllm_diffusion_plugin.testing.tiny_qwen_image:write_runtime_components",
 }
 """``kind`` -> ``"module:function"`` writing the pipeline's other components (text encoders, tokenizers, VAE,
 scheduler) under a folder, called as ``function(root, seed=, dtype=)``; returns their ``model_index.json``
