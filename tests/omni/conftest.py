@@ -32,8 +32,9 @@ def omni() -> types.SimpleNamespace:
     loader_mod = importlib.import_module("vllm_omni.diffusion.model_loader.diffusers_loader")
     lora_mod = importlib.import_module("vllm_omni.diffusion.lora.loader")
     importlib.import_module("vllm_omni.config.omni_config")
+    importlib.import_module("vllm_omni.config.config_factory")
     status = patch_status()
-    units = ("load-format", "postprocess", "lora-device", "load-path", "serve-flag")
+    units = ("load-format", "postprocess", "lora-device", "load-path", "serve-flag", "default-stage")
     assert {name: status.get(name) for name in units} == dict.fromkeys(units, "applied"), status
     return types.SimpleNamespace(version=vllm_omni.__version__, loader_mod=loader_mod, lora_mod=lora_mod,
                                  Loader=loader_mod.DiffusersPipelineLoader)

@@ -49,19 +49,22 @@ def test_patches_wait_for_vllm_omni_imports_and_nothing_without_it():
         apply_patches()
         assert set(patch_status().values()) == {"pending (vllm_omni.diffusion.model_loader.diffusers_loader not "
             "imported yet)", "pending (vllm_omni.diffusion.lora.loader not imported yet)",
-            "pending (vllm_omni.config.omni_config not imported yet)"}, patch_status()
+            "pending (vllm_omni.config.omni_config not imported yet)",
+            "pending (vllm_omni.config.config_factory not imported yet)"}, patch_status()
         assert not [m for m in sys.modules if m.startswith("vllm_omni")], "apply_patches imported vllm-omni"
         from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader as L
         from vllm_omni.diffusion.lora import loader
-        from vllm_omni.config import omni_config
+        from vllm_omni.config import config_factory, omni_config
         assert set(patch_status().values()) == {"applied"}, patch_status()
         before = (L._prepare_weights, L.__init__, L.load_weights, L._process_weights_after_loading,
                   loader._resolve_lora_compute_device, loader._prepare_lora_delta,
-                  omni_config.extract_diffusion_stage_config_kwargs)
+                  omni_config.extract_diffusion_stage_config_kwargs,
+                  config_factory.StageConfigFactory._normalize_default_diffusion)
         apply_patches()
         after = (L._prepare_weights, L.__init__, L.load_weights, L._process_weights_after_loading,
                  loader._resolve_lora_compute_device, loader._prepare_lora_delta,
-                 omni_config.extract_diffusion_stage_config_kwargs)
+                 omni_config.extract_diffusion_stage_config_kwargs,
+                 config_factory.StageConfigFactory._normalize_default_diffusion)
         assert before == after and not any(_patching.is_patched(f.__wrapped__) for f in after)
         print("HOOK-OK")
     """)

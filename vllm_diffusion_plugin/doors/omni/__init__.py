@@ -16,9 +16,11 @@ Units (one module each, documented there: why, how, versions, when to remove):
   (manifests, reader, LoRA fusion per component, strict check; ``load_path``) with options from
   ``--additional-config diffusion_hsdp`` (``serve_options``);
 - ``patch_serve_flag``: ``vllm serve --omni --load-format diffusion-hsdp`` carried from the stage's load config
-  (dropped by vllm-omni) to the workers, options validated in the API server before any worker starts.
+  (dropped by vllm-omni) to the workers, options validated in the API server before any worker starts;
+- ``patch_default_stage``: the flag kept in vllm-omni's generic diffusion stage (pipelines with no deploy YAML,
+  e.g. Qwen-Image), which otherwise drops it before ``serve-flag`` can carry it.
 
-``load-format``, ``postprocess``, ``load-path`` and ``serve-flag`` are required by the flag: when one of them
+``load-format``, ``postprocess``, ``load-path``, ``serve-flag`` and ``default-stage`` are required by the flag: when one of them
 does not recognize the installed vllm-omni and ``--load-format diffusion-hsdp`` is on the command line, the
 server stops at startup (``_patching.LoadFormatUnavailable``) instead of serving vllm-omni's own load.
 """
@@ -28,7 +30,8 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-PATCH_UNITS = ("patch_load_format", "patch_postprocess", "patch_lora_device", "patch_load_path", "patch_serve_flag")
+PATCH_UNITS = ("patch_load_format", "patch_postprocess", "patch_lora_device", "patch_load_path", "patch_serve_flag",
+               "patch_default_stage")
 
 
 def apply_patches() -> None:
