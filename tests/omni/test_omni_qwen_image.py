@@ -6,7 +6,10 @@
   template's system part (``prompt_template_encode_start_idx`` 34), as Qwen's own does;
 - ``--load-format diffusion-hsdp`` survives vllm-omni's generic diffusion stage (``QwenImagePipeline`` has no
   deploy YAML): vllm-omni's own config resolution of the folder gives the stage our load format and carries it
-  to the workers (``patch_default_stage``); without the unit it is dropped and the server stops on our options.
+  to the workers (``patch_default_stage``); without the unit it is dropped and the server stops on our options;
+- vllm-omni's own ``QwenImagePipeline`` builds from the folder (its text encoder, tokenizer, VAE, scheduler) and
+  loads its DiT through our door with a kohya LoRA: equal to vllm-omni's ``load_weights`` fed the DiT diffusers
+  merged (``load_lora_adapter`` + ``fuse_lora``), q/k/v of both streams stacked.
 """
 
 from __future__ import annotations
@@ -119,3 +122,70 @@ def test_the_unit_is_idempotent_and_refuses_an_unknown_shape(omni):
 
     with pytest.raises(_patching.UnrecognizedShape, match="is not a classmethod"):
         patch_default_stage.apply(types.SimpleNamespace(__name__=patch_default_stage.TARGET, StageConfigFactory=Factory))
+
+
+def diffusers_merged_dit(folder, lora) -> dict[str, torch.Tensor]:
+    """The DiT's state dict with ``lora`` fused by diffusers (what the serving proof's reference folder holds)."""
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+
+    model = QwenImageTransformer2DModel.from_pretrained(folder / "transformer", torch_dtype=torch.float32)
+    state_dict, metadata = QwenImagePipeline.lora_state_dict(str(lora), return_lora_metadata=True)
+    model.load_lora_adapter(state_dict, prefix="transformer", metadata=metadata)
+    model.fuse_lora(lora_scale=1.0)
+    model.unload_lora()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_vllm_omnis_pipeline_builds_the_folder_and_loads_the_kohya_lora_through_our_door(omni_world, qwen_folder,
+                                                                                         tmp_path):
+    from vllm.config.load import LoadConfig
+    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    from vllm_diffusion_plugin.testing.lora_layouts import write_layout
+
+    lora = tmp_path / "kohya.safetensors"
+    write_layout("qwen_image", "kohya", lora)
+    fields = extract_diffusion_stage_config_kwargs(dict(
+        model=str(qwen_folder), model_class_name="QwenImagePipeline", dtype="float32", load_format=FLAG,
+        additional_config={"diffusion_hsdp": {"lora_path": [f"transformer={lora}"]}}), stage_id=0)
+    od_config = OmniDiffusionConfig(**fields)
+    od_config.enrich_config()  # the transformer's config.json, as the engine reads it before the workers start
+    loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)  # as the diffusion model runner builds it
+    with set_forward_context(vllm_config=omni_world, omni_diffusion_config=od_config):
+        model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+    assert type(model).__name__ == "QwenImagePipeline"
+    assert type(model.text_encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"
+
+    def omni_load(state):  # vllm-omni's own DiT of the same config, loaded by its own load_weights
+        from vllm.utils.torch_utils import set_default_torch_dtype
+        from vllm_omni.diffusion.utils.tf_utils import get_transformer_config_kwargs
+
+        cls = type(model.transformer)
+        with set_default_torch_dtype(torch.float32):
+            dit = cls(od_config=od_config, **get_transformer_config_kwargs(od_config.tf_model_config, cls))
+        dit.load_weights(iter(state.items()))
+        return {n: p.detach() for n, p in dit.named_parameters()}
+
+    want = omni_load(diffusers_merged_dit(qwen_folder, lora))
+    unfused = omni_load(_checkpoint(qwen_folder))
+    got = {n: p.detach() for n, p in model.transformer.named_parameters()}
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-5, msg=name)
+    changed = {n for n in want if not torch.equal(want[n], unfused[n])}
+    assert {"transformer_blocks.0.attn.to_qkv.weight", "transformer_blocks.0.attn.add_kv_proj.weight",
+            "img_in.weight", "proj_out.weight"} <= changed, sorted(changed)
+    (report,) = loader._diffusion_hsdp_state["report"].components
+    assert report.name == "transformer" and report.lora_keys_fused == 20, report
+
+
+def _checkpoint(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in (folder / "transformer").glob("*.safetensors"):
+        state.update(load_file(str(file)))
+    return state
