@@ -2,8 +2,6 @@
 tests/serve/test_serve_flux.py):
 
 - the runnable tiny folder (``write_tiny_pipeline(DIR, "flux", runnable=True)``) runs in diffusers' pipeline;
-- ``patch_default_stage``: vllm-omni's generic diffusion stage (FLUX.1 has no deploy YAML) keeps
-  ``--load-format diffusion-hsdp`` (stock vllm-omni drops it and our options are refused);
 - vllm-omni's ``FluxPipeline`` loads its DiT through our path with a ComfyUI-layout LoRA and holds diffusers'
   merged weights, stacked into its ``to_qkv`` / ``add_kv_proj``, single block included.
 """
@@ -21,8 +19,6 @@ import pytest
 import torch
 from omni_support import captured_logs, import_omni
 
-from vllm_diffusion_plugin.doors.omni import patch_default_stage
-from vllm_diffusion_plugin.doors.omni.serve_options import CARRIED_KEY
 from vllm_diffusion_plugin.testing.lora_layouts import write_layout
 from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
 
@@ -59,36 +55,6 @@ def test_the_runnable_folder_runs_in_diffusers(flux):
     image = pipe("a red cat sits on the beach", height=32, width=32, num_inference_steps=2,
                  generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=16).images
     assert image.shape == (1, 32, 32, 3) and 0.1 < float(image.std()) and float(image.mean()) < 0.9
-
-
-# --- the generic diffusion stage keeps the flag ---------------------------------------------------------------
-def default_stage(root: Path, *, original: bool = False):
-    from vllm_omni.config.config_factory import StageConfigFactory
-
-    lora = root.parent / "lora_comfyui.safetensors"
-    kwargs = {"model": str(root), "dtype": "float32", "load_format": FLAG,
-              "additional_config": {"diffusion_hsdp": {"lora_path": [f"transformer={lora}"]}}}
-    if not original:
-        return StageConfigFactory.create_typed_default_diffusion(str(root), kwargs)
-    normalize = StageConfigFactory._normalize_default_diffusion
-    with pytest.MonkeyPatch.context() as mp:  # stock vllm-omni: the builder without our wrapper
-        mp.setattr(StageConfigFactory, "_normalize_default_diffusion", classmethod(normalize.__func__.__wrapped__))
-        return StageConfigFactory.create_typed_default_diffusion(str(root), kwargs)
-
-
-def test_the_default_diffusion_stage_keeps_the_flag(omni, flux):
-    from vllm_diffusion_plugin.doors.omni import patch_status
-
-    assert patch_status()[patch_default_stage.NAME] == "applied"
-    stage = default_stage(flux.root).stage_configs[0]
-    assert stage.load_config.load_format == FLAG
-    assert stage.diffusion_config.additional_config[CARRIED_KEY] == FLAG
-
-
-def test_stock_vllm_omni_drops_the_flag_and_refuses_our_options(omni, flux):
-    with pytest.raises(ValueError, match=r"read only with --load-format diffusion-hsdp \(this stage's load "
-                                         r"format: None\)"):
-        default_stage(flux.root, original=True)
 
 
 # --- vllm-omni's FluxPipeline through our path -----------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Z-Image without a server (the omni stage): the tiny runnable folder diffusers runs, vllm-omni's default
-diffusion stage keeping ``--load-format diffusion-hsdp`` (``patch_default_stage``), and the CPU platform's
-activation kernels (``cpu.patch_activation_ops``). The servers themselves: ``tests/serve/test_serve_z_image.py``.
+"""Z-Image without a server (the omni stage): the tiny runnable folder diffusers runs, and the CPU platform's
+activation kernels (``cpu.patch_activation_ops``; vllm-omni's default diffusion stage keeping the flag is tested
+once, with the Qwen-Image folder, in test_omni_qwen_image.py). The servers themselves: ``tests/serve/test_serve_z_image.py``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 import torch
 from omni_support import import_omni
 
-from vllm_diffusion_plugin.doors.omni.serve_options import CARRIED_KEY
 from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS, write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
@@ -47,34 +46,6 @@ def test_the_tiny_z_image_folder_runs_in_diffusers(z_image):
     image = pipe("a red cat walks on the beach", height=64, width=64, num_inference_steps=2, guidance_scale=0.0,
                  generator=torch.Generator().manual_seed(0), output_type="np").images
     assert image.shape == (1, 64, 64, 3) and image.std() > 0.05
-
-
-def _default_stage(folder: Path, **cli):
-    """vllm-omni's own stage for a pipeline without a deploy YAML, as ``vllm serve DIR --omni`` builds it."""
-    from vllm_omni.config.config_factory import StageConfigFactory
-
-    kwargs = {"model": str(folder), "dtype": "float32", "model_class_name": "ZImagePipeline", **cli}
-    return StageConfigFactory.create_typed_default_diffusion(str(folder), kwargs).stage_configs[0]
-
-
-def test_the_default_diffusion_stage_keeps_our_load_format(omni, z_image):
-    options = {"diffusion_hsdp": {"lora_path": []}}
-    stage = _default_stage(z_image, load_format=FLAG, additional_config=options)
-    assert stage.diffusion_config.additional_config[CARRIED_KEY] == FLAG
-    plain = _default_stage(z_image, load_format="auto")
-    assert CARRIED_KEY not in (plain.diffusion_config.additional_config or {})  # other formats: untouched
-
-
-def test_without_the_unit_the_default_stage_drops_the_flag(omni, z_image, monkeypatch):
-    """What stock vllm-omni 0.30 does (the original under our wrapper): the load format is gone before
-    ``serve-flag`` sees it, which then refuses the options that would otherwise be ignored."""
-    from vllm_omni.config.config_factory import StageConfigFactory
-
-    original = StageConfigFactory._normalize_default_diffusion.__func__.__wrapped__
-    monkeypatch.setattr(StageConfigFactory, "_normalize_default_diffusion", classmethod(original))
-    with pytest.raises(ValueError, match=r"'diffusion_hsdp' is read only with --load-format diffusion-hsdp "
-                                         r"\(this stage's load format: None\)"):
-        _default_stage(z_image, load_format=FLAG, additional_config={"diffusion_hsdp": {"lora_path": []}})
 
 
 ACTIVATION_PROBE = textwrap.dedent("""

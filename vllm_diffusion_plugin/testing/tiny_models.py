@@ -22,16 +22,20 @@ TINY_CONFIGS: dict[str, dict] = {
                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
     "z-image": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=1, n_refiner_layers=1,
                     n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32]),
+    "qwen-image": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                       num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
 }
 PIPELINES = {
     "wan": ("WanPipeline", "WanTransformer3DModel", ("transformer", "transformer_2")),
     "flux": ("FluxPipeline", "FluxTransformer2DModel", ("transformer",)),
     "z-image": ("ZImagePipeline", "ZImageTransformer2DModel", ("transformer",)),
+    "qwen-image": ("QwenImagePipeline", "QwenImageTransformer2DModel", ("transformer",)),
 }
 RUNTIME_WRITERS: dict[str, str] = {
     "wan": f"{__name__}:write_wan_runtime_components",
     "flux": "vllm_diffusion_plugin.testing.tiny_flux:write_runtime_components",
     "z-image": "vllm_diffusion_plugin.testing.tiny_z_image:write_runtime_components",
+    "qwen-image": "vllm_diffusion_plugin.testing.tiny_qwen_image:write_runtime_components",
 }
 """``kind`` -> ``"module:function"`` writing the pipeline's other components (text encoders, tokenizers, VAE,
 scheduler) under a folder, called as ``function(root, seed=, dtype=)``; returns their ``model_index.json``

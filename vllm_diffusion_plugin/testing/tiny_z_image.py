@@ -36,10 +36,10 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from vllm_diffusion_plugin.testing.tiny_tokenizers import qwen2_tokenizer
+    from vllm_diffusion_plugin.testing.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL, qwen2_tokenizer
 
     root = Path(root)
-    tokenizer = qwen2_tokenizer()
+    tokenizer = qwen2_tokenizer(special=QWEN3_SPECIAL, chat_template=QWEN3_CHAT_TEMPLATE)
     tokenizer.save_pretrained(root / "tokenizer")
 
     torch.manual_seed(seed + 100)
