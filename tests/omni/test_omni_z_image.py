@@ -20,7 +20,6 @@ from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS, write_tiny_p
 
 import_omni()  # skips this module where vllm-omni is not installed
 
-FLAG = "diffusion-hsdp"
 
 
 @pytest.fixture(scope="module")
