@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_diffusion_plugin.engine.report import REPORT_PREFIX
+from vllm_diffusion_plugin.testing.process_stats import GroupSampler, ProcessStats  # noqa: F401
 
 VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height": "32", "num_frames": "5",
               "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",
@@ -63,6 +64,18 @@ class ServerRun:
     request_s: list[float] = field(default_factory=list)
     answers: list[bytes] = field(default_factory=list)
     """The bytes each request returned (an mp4, a PNG, ...)."""
+    processes: dict[int, ProcessStats] = field(default_factory=dict)
+    """Every process of the server's process group seen by the sampler (``serve(sample_s=...)``), by PID."""
+
+    @property
+    def first_answer_s(self) -> float:
+        """Launch to the first answered request (``ready_s`` + the first request's seconds)."""
+        return self.ready_s + self.request_s[0] if self.request_s else float("nan")
+
+    @property
+    def workers(self) -> list[ProcessStats]:
+        """The diffusion worker processes (vllm-omni titles them ``DiffusionWorker...``), by title."""
+        return sorted((p for p in self.processes.values() if p.role == "worker"), key=lambda p: p.title)
 
     @property
     def videos(self) -> list[bytes]:
@@ -167,21 +180,33 @@ Request = Callable[[int, float, Path], bytes]
 
 
 def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, requests: int = 1, cpu: bool = True,
-          ready_timeout_s: float = 600.0, request_timeout_s: float = 300.0) -> ServerRun:
+          ready_timeout_s: float = 600.0, request_timeout_s: float = 300.0, sample_s: float | None = None,
+          progress: Callable[[str], None] | None = None) -> ServerRun:
     """Start one server, wait until healthy, send ``request`` ``requests`` times (the Wan2.2 video request by
-    default), stop it (always, also on Ctrl-C)."""
+    default), stop it (always, also on Ctrl-C). ``sample_s``: sample every process of the server's group that
+    often (:class:`GroupSampler`; ``run.processes``). ``progress``: called with a line when ready / answered."""
     request = request or request_video
     proc, run, port = launch(spec, logdir, cpu=cpu)
     t0 = time.monotonic()
+    sampler = GroupSampler(proc.pid, interval_s=sample_s) if sample_s else None
+    if sampler:
+        sampler.start()
     try:
         wait_healthy(proc, run, port, timeout_s=ready_timeout_s)
         run.ready_s = time.monotonic() - t0
-        for _ in range(requests):
+        if progress:
+            progress(f"[{spec.name}] ready after {run.ready_s:.1f} s")
+        for i in range(requests):
             t1 = time.monotonic()
             run.answers.append(request(port, request_timeout_s, run.log))
             run.request_s.append(time.monotonic() - t1)
+            if progress:
+                progress(f"[{spec.name}] request {i + 1} answered after {run.request_s[-1]:.1f} s "
+                         f"({time.monotonic() - t0:.1f} s after launch)")
         return run
     finally:
+        if sampler:
+            run.processes = sampler.finish()  # while the processes are still alive: their last figures
         stop(proc)
 
 
@@ -251,6 +276,24 @@ def load_reports(log_text: str) -> list[dict[str, str]]:
         if sep:
             reports.append(dict(_FIELD.findall(rest)))
     return reports
+
+
+_OMNI_LOAD = re.compile(r"\((?P<worker>\w+) pid=(?P<pid>\d+)\).*?(?:Model loading took (?P<gib>[\d.]+) GiB and "
+                        r"(?P<model_s>[\d.]+) seconds|Loading weights took (?P<weights_s>[\d.]+) seconds)")
+
+
+def worker_load_times(log_text: str) -> dict[str, dict[str, float]]:
+    """Per worker (its log prefix, ``DiffusionWorker_FS0`` ...): vllm-omni's own load-phase lines --
+    ``model_s`` from "Model loading took X GiB and Y seconds" (the runner's whole ``load_model``, with our
+    door as without) and ``weights_s`` from "Loading weights took Y seconds" (its ``load_weights``)."""
+    found: dict[str, dict[str, float]] = {}
+    for match in _OMNI_LOAD.finditer(log_text):
+        entry = found.setdefault(match["worker"], {"pid": int(match["pid"])})
+        if match["model_s"]:
+            entry["model_s"], entry["model_gib"] = float(match["model_s"]), float(match["gib"])
+        else:
+            entry["weights_s"] = entry.get("weights_s", 0.0) + float(match["weights_s"])
+    return dict(sorted(found.items()))
 
 
 def bytes_per_rank(reports: list[dict[str, str]]) -> dict[int, int]:
