@@ -10,6 +10,7 @@ CPU-only host the servers use this package's CPU platform for vllm-omni (``VLLM_
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -149,6 +151,21 @@ def stop(proc: subprocess.Popen, *, grace_s: float = 30.0) -> None:
     raise ServerError(f"process group {proc.pid} still alive after SIGKILL")
 
 
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM ignored while the server is being stopped (a second Ctrl-C must not leave it running);
+    restored afterwards. Only in the main thread, where Python handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def launch(spec: ServerSpec, logdir: Path, *, cpu: bool) -> tuple[subprocess.Popen, ServerRun, int]:
     """Start the server in a new session (its own process group), stdout and stderr to ``logdir/<name>.log``."""
     port = free_port()
@@ -205,9 +222,10 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
                          f"({time.monotonic() - t0:.1f} s after launch)")
         return run
     finally:
-        if sampler:
-            run.processes = sampler.finish()  # while the processes are still alive: their last figures
-        stop(proc)
+        with signals_held():
+            if sampler:
+                run.processes = sampler.finish()  # while the processes are still alive: their last figures
+            stop(proc)
 
 
 def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s: float = 300.0) -> tuple[int, str, float]:
@@ -225,7 +243,8 @@ def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s
             time.sleep(1.0)
         return proc.returncode, run.log_text(), time.monotonic() - t0
     finally:
-        stop(proc)
+        with signals_held():
+            stop(proc)
 
 
 def _post(port: int, path: str, body: bytes, content_type: str, *, timeout_s: float, log: Path) -> tuple[bytes, str]:
