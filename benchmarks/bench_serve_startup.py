@@ -24,7 +24,10 @@ request: weights that fault in lazily show here), the workers' load phase (vllm-
 line per worker, which wraps our door too, and our ``diffusion-hsdp load report:`` read_s / lora_s / total_s),
 bytes read per rank (our report's ``bytes_read``; ``/proc/PID/io`` ``read_bytes`` of each worker, storage reads
 only, so ~0 when warm), and the peak RSS of every worker process (``VmHWM`` of each process of the server's
-process group sampled every 0.2 s; workers are the processes titled ``DiffusionWorker*``). A server that fails
+process group sampled every 0.2 s; workers are the processes titled ``DiffusionWorker*``): at the end of its load
+phase (``load``: sampled right after its "Model loading took" line, before vllm-omni's 512x512 warm-up run) and
+over the server's whole life (``all``: warm-up and the first request included, where activations and FSDP's
+all-gathered blocks count too). A server that fails
 is recorded with its error and log, and the run goes on. Medians over repeats; the goals of issue 24 as ratios.
 
 Usage (the ``[omni]`` environment)::
@@ -198,6 +201,8 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
                                for r in ok]),
             "peak_rss_worker": _median([max((w["peak_rss"] for w in r["workers"].values()), default=None)
                                         for r in ok]),
+            "load_peak_rss_worker": _median([max((w["at_marks"].get("loaded", {}).get("peak_rss", 0)
+                                                  for w in r["workers"].values()), default=None) for r in ok]),
             "ours_bytes_rank0": _median([r["ours_bytes_per_rank"].get(0) for r in ok]) if any(
                 r["ours_bytes_per_rank"] for r in ok) else None,
             "io_read_rank0": _median([r["workers"].get(0, {}).get("read_bytes") for r in ok]),
@@ -226,10 +231,11 @@ def goals(summary: dict[str, dict], caches: list[str]) -> list[dict]:
         if cache == "cold" and r is not None:
             found.append({"goal": "cold: rank_local ready + first request >= 1.5x faster than omni-hsdp2",
                           "ratio": r, "pass": r >= 1.5})
-        r = ratio(get("ours-hsdp2-rank_local", "peak_rss_worker"), get("omni-hsdp2", "peak_rss_worker"))
-        if r is not None:
-            found.append({"goal": f"peak RSS per rank rank_local <= 0.6x omni-hsdp2 ({cache})", "ratio": r,
-                          "pass": r <= 0.6})
+        for key, what in (("peak_rss_worker", "peak RSS"), ("load_peak_rss_worker", "load-phase peak RSS")):
+            r = ratio(get("ours-hsdp2-rank_local", key), get("omni-hsdp2", key))
+            if r is not None:
+                found.append({"goal": f"{what} per rank rank_local <= 0.6x omni-hsdp2 ({cache})", "ratio": r,
+                              "pass": r <= 0.6})
     return found
 
 
@@ -237,12 +243,12 @@ def table(summary: dict[str, dict], goal_rows: list[dict]) -> str:
     def f(v, scale=1.0, fmt="{:.1f}"):
         return "-" if v is None else fmt.format(v / scale)
 
-    lines = [f"{'setting':<28} {'runs':>4} {'ready s':>8} {'first s':>8} {'load s':>7} {'peak RSS/worker GiB':>20} "
+    lines = [f"{'setting':<28} {'runs':>4} {'ready s':>8} {'first s':>8} {'load s':>7} {'RSS GiB load/all':>16} "
              f"{'ours read/rank0 GB':>18} {'io read r0/r1 GB':>17}"]
     for key, s in summary.items():
         runs = f"{s['runs'] - s['failed']}/{s['runs']}"
         lines.append(f"{key:<28} {runs:>4} {f(s['ready_s']):>8} {f(s['first_s']):>8} {f(s['load_s']):>7} "
-                     f"{f(s['peak_rss_worker'], GiB, '{:.2f}'):>20} {f(s['ours_bytes_rank0'], 1e9, '{:.2f}'):>18} "
+                     f"{f(s['load_peak_rss_worker'], GiB, '{:.2f}') + '/' + f(s['peak_rss_worker'], GiB, '{:.2f}'):>16} {f(s['ours_bytes_rank0'], 1e9, '{:.2f}'):>18} "
                      f"{f(s['io_read_rank0'], 1e9, '{:.2f}') + '/' + f(s['io_read_rank1'], 1e9, '{:.2f}'):>17}")
     for g in goal_rows:
         lines.append(f"  {g['goal']}: {g['ratio']:.2f}x {'PASS' if g['pass'] else 'FAIL'}")

@@ -103,3 +103,35 @@ def test_worker_load_times_parse_vllm_omnis_lines():
     assert sv.worker_load_times(log) == {
         "DiffusionWorker_FS0": {"pid": 101, "weights_s": 7.25, "model_s": 10.685583, "model_gib": 3.0245},
         "DiffusionWorker_FS1": {"pid": 102, "model_s": 12.5, "model_gib": 1.5122}}
+
+
+def test_marks_keep_a_processes_figures_when_its_log_line_appears(tmp_path):
+    log = tmp_path / "server.log"
+    child = textwrap.dedent(f"""
+        import os, sys, time
+        log = open({str(log)!r}, "a")
+        block = bytearray(100 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        log.write(f"(DiffusionWorker pid={{os.getpid()}}) INFO Model loading took 0.1 GiB and 1.0 seconds\\n")
+        log.flush()
+        time.sleep(1.0)
+        more = bytearray(200 << 20)
+        for i in range(0, len(more), 4096):
+            more[i] = 1
+        print("ready", flush=True)
+        time.sleep(30)
+    """)
+    log.write_text("")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        sampler = ps.GroupSampler(proc.pid, interval_s=0.05, log=log, marks=sv.LOAD_MARKS)
+        sampler.start()
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3)
+        stats = sampler.finish()[proc.pid]
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    loaded = stats.at_marks["loaded"]["peak_rss"]
+    assert 100 << 20 <= loaded < (250 << 20) <= stats.peak_rss, stats

@@ -6,7 +6,8 @@ from its title. Linux only (``/proc``)."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -29,10 +30,14 @@ class ProcessStats:
     max_sampled_rss: int = 0
     read_bytes: int = 0
     rchar: int = 0
+    at_marks: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Label -> this process's ``peak_rss`` / ``read_bytes`` sampled right after its log line with that mark
+    (:class:`GroupSampler` ``marks``; e.g. the end of its load phase, before the warm-up run)."""
 
     def as_dict(self) -> dict:
         return {"pid": self.pid, "title": self.title, "role": self.role, "peak_rss": self.peak_rss,
-                "max_sampled_rss": self.max_sampled_rss, "read_bytes": self.read_bytes, "rchar": self.rchar}
+                "max_sampled_rss": self.max_sampled_rss, "read_bytes": self.read_bytes, "rchar": self.rchar,
+                "at_marks": self.at_marks}
 
 
 def role_of(title: str) -> str:
@@ -71,18 +76,48 @@ def read_process(pid: int, proc: Path = Path("/proc")) -> ProcessStats | None:
                         rchar=int(io.get("rchar", 0)))
 
 
+_LOG_PID = re.compile(r"\(\w+ pid=(\d+)\)")
+"""vLLM's log prefix of a process's lines: ``(DiffusionWorker_FS0 pid=123)``."""
+
+
 class GroupSampler(threading.Thread):
     """Samples every process of a process group every ``interval_s`` until :meth:`finish`; keeps each PID's
-    latest title and I/O counters and its largest ``VmHWM`` / ``VmRSS`` (a process that exits keeps its last)."""
+    latest title and I/O counters and its largest ``VmHWM`` / ``VmRSS`` (a process that exits keeps its last).
 
-    def __init__(self, pgid: int, *, interval_s: float = 0.2, proc: Path = Path("/proc")) -> None:
+    ``log`` and ``marks`` (label -> text): when a new line of ``log`` holds a mark's text, the process named in the
+    line's prefix has its figures of that moment kept under the label (``ProcessStats.at_marks``)."""
+
+    def __init__(self, pgid: int, *, interval_s: float = 0.2, proc: Path = Path("/proc"), log: Path | None = None,
+                 marks: dict[str, str] | None = None) -> None:
         super().__init__(name=f"sampler-{pgid}", daemon=True)
         self.pgid, self.interval_s, self.proc = pgid, interval_s, proc
+        self.log, self.marks, self._log_offset = log, dict(marks or {}), 0
         self.seen: dict[int, ProcessStats] = {}
         self._done = threading.Event()
         self._lock = threading.Lock()
 
+    def _marked(self) -> list[tuple[int, str]]:
+        """(pid, label) of the log's new complete lines that hold a mark."""
+        if self.log is None or not self.marks:
+            return []
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._log_offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._log_offset += len(complete)
+        found = []
+        for line in complete.decode(errors="replace").splitlines():
+            for label, text in self.marks.items():
+                pid = _LOG_PID.search(line)
+                if text in line and pid:
+                    found.append((int(pid[1]), label))
+        return found
+
     def sample_once(self) -> None:
+        marked = self._marked()  # read before the sample: the figures are from after the line was written
         for pid in group_pids(self.pgid, self.proc):
             now = read_process(pid, self.proc)
             if now is None:
@@ -93,7 +128,13 @@ class GroupSampler(threading.Thread):
                     now.peak_rss = max(now.peak_rss, old.peak_rss)
                     now.max_sampled_rss = max(now.max_sampled_rss, old.max_sampled_rss)
                     now.read_bytes, now.rchar = max(now.read_bytes, old.read_bytes), max(now.rchar, old.rchar)
+                    now.at_marks = old.at_marks
                 self.seen[pid] = now
+        with self._lock:
+            for pid, label in marked:
+                if pid in self.seen and label not in self.seen[pid].at_marks:
+                    stats = self.seen[pid]
+                    stats.at_marks[label] = {"peak_rss": stats.peak_rss, "read_bytes": stats.read_bytes}
 
     def run(self) -> None:
         while not self._done.is_set():

@@ -37,6 +37,10 @@ VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height":
 timesteps 1000, 937 above the 0.875 boundary -> ``transformer``; 833, 625 below -> ``transformer_2``)."""
 
 
+LOAD_MARKS = {"loaded": "Model loading took"}
+"""vllm-omni's diffusion model runner writes this line when a worker's ``load_model`` returns (our door's too)."""
+
+
 class ServerError(RuntimeError):
     """A server did not start, did not stop, or a request failed (not a wrong answer)."""
 
@@ -198,14 +202,15 @@ Request = Callable[[int, float, Path], bytes]
 
 def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, requests: int = 1, cpu: bool = True,
           ready_timeout_s: float = 600.0, request_timeout_s: float = 300.0, sample_s: float | None = None,
-          progress: Callable[[str], None] | None = None) -> ServerRun:
+          marks: Mapping[str, str] = LOAD_MARKS, progress: Callable[[str], None] | None = None) -> ServerRun:
     """Start one server, wait until healthy, send ``request`` ``requests`` times (the Wan2.2 video request by
     default), stop it (always, also on Ctrl-C). ``sample_s``: sample every process of the server's group that
-    often (:class:`GroupSampler`; ``run.processes``). ``progress``: called with a line when ready / answered."""
+    often (:class:`GroupSampler`; ``run.processes``), with the figures at ``marks`` (default: each worker's
+end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``progress``: called with a line when ready / answered."""
     request = request or request_video
     proc, run, port = launch(spec, logdir, cpu=cpu)
     t0 = time.monotonic()
-    sampler = GroupSampler(proc.pid, interval_s=sample_s) if sample_s else None
+    sampler = GroupSampler(proc.pid, interval_s=sample_s, log=run.log, marks=dict(marks)) if sample_s else None
     if sampler:
         sampler.start()
     try:
