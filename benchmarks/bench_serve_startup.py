@@ -111,7 +111,8 @@ def _write_pipeline(root: Path, *, blocks: int) -> None:
 
 
 # ---- settings ---------------------------------------------------------------------------------------------
-def spec_for(setting: str, cache: str, repeat: int, pipeline: Path, loras: list[Path]) -> sv.ServerSpec:
+def spec_for(setting: str, cache: str, repeat: int, pipeline: Path, loras: list[Path], *,
+             env: dict[str, str] | None = None) -> sv.ServerSpec:
     lora = ("--lora-path", *map(str, loras), "--lora-backend", "distill")
     if setting == "omni-nolora-1":
         plugin, args = False, ()
@@ -126,7 +127,8 @@ def spec_for(setting: str, cache: str, repeat: int, pipeline: Path, loras: list[
         plugin, args = True, (*lora, *HSDP2, "--load-format", "diffusion-hsdp", "--additional-config", extra)
     else:
         raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
-    return sv.ServerSpec(f"{setting}-{cache}-r{repeat}", pipeline, plugin=plugin, args=args, dtype="bfloat16")
+    return sv.ServerSpec(f"{setting}-{cache}-r{repeat}", pipeline, plugin=plugin, args=args, dtype="bfloat16",
+                         env=dict(env or {}))
 
 
 def prepare_cache(cache: str, paths: list[Path]) -> float:
@@ -266,12 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", default="warm,cold", help="warm, cold or warm,cold")
     parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds per server to be ready "
                                                                            "(and per request)")
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for every server (e.g. VLLM_LOGGING_LEVEL=DEBUG: our rank_local "
+                             "load logs its memory per step)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON (also in results.json)")
     args = parser.parse_args(argv)
     settings = list(SETTINGS) if args.settings == "all" else [s for s in args.settings.split(",") if s]
     caches = [c for c in args.cache.split(",") if c]
     if bad := [c for c in caches if c not in ("warm", "cold")]:
         parser.error(f"--cache: unknown {bad}")
+    env = dict(item.split("=", 1) for item in args.server_env)
     pipeline, loras = build(args.out_dir, blocks=args.blocks)
     paths = [pipeline, *loras]
     for s in settings:
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         order = combos[k:] + combos[:k]
         print(f"repeat {repeat + 1}/{args.repeats}, order: {', '.join(f'{s}-{c}' for s, c in order)}", flush=True)
         for i, (setting, cache) in enumerate(order):
-            spec = spec_for(setting, cache, repeat, pipeline, loras)
+            spec = spec_for(setting, cache, repeat, pipeline, loras, env=env)
             row = one_server(spec, logs, cache=cache, paths=paths, ready_timeout_s=args.ready_timeout)
             row |= {"setting": setting, "repeat": repeat, "order": i}
             rows.append(row)
