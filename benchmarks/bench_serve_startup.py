@@ -112,7 +112,11 @@ def _write_pipeline(root: Path, *, blocks: int) -> None:
 
 # ---- settings ---------------------------------------------------------------------------------------------
 def spec_for(setting: str, cache: str, repeat: int, pipeline: Path, loras: list[Path], *,
-             env: dict[str, str] | None = None) -> sv.ServerSpec:
+             env: dict[str, str] | None = None, init_timeout_s: int = 1800) -> sv.ServerSpec:
+    """The server of ``setting``. vllm-omni's own startup bounds (``--init-timeout`` 600 s, ``--stage-init-timeout``
+    300 s) are raised to ``init_timeout_s`` for every setting alike: its 2-rank HSDP load with LoRA fusion in bf16
+    on a 2-core host needs more than 600 s, and a timed-out server measures nothing."""
+    bounds = ("--init-timeout", str(init_timeout_s), "--stage-init-timeout", str(init_timeout_s))
     lora = ("--lora-path", *map(str, loras), "--lora-backend", "distill")
     if setting == "omni-nolora-1":
         plugin, args = False, ()
@@ -127,7 +131,8 @@ def spec_for(setting: str, cache: str, repeat: int, pipeline: Path, loras: list[
         plugin, args = True, (*lora, *HSDP2, "--load-format", "diffusion-hsdp", "--additional-config", extra)
     else:
         raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
-    return sv.ServerSpec(f"{setting}-{cache}-r{repeat}", pipeline, plugin=plugin, args=args, dtype="bfloat16",
+    return sv.ServerSpec(f"{setting}-{cache}-r{repeat}", pipeline, plugin=plugin, args=(*bounds, *args),
+                         dtype="bfloat16",
                          env=dict(env or {}))
 
 
@@ -161,18 +166,24 @@ def one_server(spec: sv.ServerSpec, logs: Path, *, cache: str, paths: list[Path]
     except (sv.ServerError, OSError) as exc:
         row["error"] = str(exc).splitlines()[0][:500]
         print(f"[{spec.name}] FAILED: {row['error']} (log {row['log']})", flush=True)
+        run = getattr(exc, "run", None)
+        if run is not None:  # what it measured before failing (e.g. its load phase), kept apart from the medians
+            row["partial"] = _figures(run)
         return row
+    return row | {"ok": True} | _figures(run)
+
+
+def _figures(run: sv.ServerRun) -> dict:
     text = run.log_text()
     reports = sv.load_reports(text)
     workers = {worker_rank(p.title): p.as_dict() for p in run.workers}
-    row |= {"ok": True, "ready_s": round(run.ready_s, 2), "first_s": round(run.first_answer_s, 2),
+    return {"ready_s": round(run.ready_s, 2), "first_s": round(run.first_answer_s, 2),
             "request_s": [round(s, 2) for s in run.request_s], "workers": workers,
             "omni_load": sv.worker_load_times(text),
             "ours": [{k: r.get(k) for k in ("component", "rank", "strategy", "bytes_read", "read_s", "lora_s",
-                                            "total_s")} for r in reports],
+                                            "total_s", "peak_rss")} for r in reports],
             "ours_bytes_per_rank": sv.bytes_per_rank(reports),
             "processes": [p.as_dict() for p in run.processes.values()]}
-    return row
 
 
 def _cpu() -> bool:
@@ -266,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                         help=f"comma-separated subset of {','.join(SETTINGS)} (or 'all')")
     parser.add_argument("--cache", default="warm,cold", help="warm, cold or warm,cold")
-    parser.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds per server to be ready "
-                                                                           "(and per request)")
+    parser.add_argument("--ready-timeout", type=float, default=1800.0,
+                        help="seconds per server to be ready (and per request); also vllm-omni's --init-timeout and "
+                             "--stage-init-timeout")
     parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for every server (e.g. VLLM_LOGGING_LEVEL=DEBUG: our rank_local "
                              "load logs its memory per step)")
@@ -289,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         order = combos[k:] + combos[:k]
         print(f"repeat {repeat + 1}/{args.repeats}, order: {', '.join(f'{s}-{c}' for s, c in order)}", flush=True)
         for i, (setting, cache) in enumerate(order):
-            spec = spec_for(setting, cache, repeat, pipeline, loras, env=env)
+            spec = spec_for(setting, cache, repeat, pipeline, loras, env=env, init_timeout_s=int(args.ready_timeout))
             row = one_server(spec, logs, cache=cache, paths=paths, ready_timeout_s=args.ready_timeout)
             row |= {"setting": setting, "repeat": repeat, "order": i}
             rows.append(row)

@@ -24,7 +24,12 @@ def bench():
 def test_each_setting_starts_the_documented_command(bench, tmp_path):
     loras = [tmp_path / "h.safetensors", tmp_path / "l.safetensors"]
     lora = ["--lora-path", str(loras[0]), str(loras[1]), "--lora-backend", "distill"]
-    args = {s: list(bench.spec_for(s, "cold", 2, tmp_path, loras).args) for s in bench.SETTINGS}
+    bounds = ["--init-timeout", "1800", "--stage-init-timeout", "1800"]
+    args = {}
+    for s in bench.SETTINGS:
+        got = list(bench.spec_for(s, "cold", 2, tmp_path, loras).args)
+        assert got[:4] == bounds, got
+        args[s] = got[4:]
     assert args["omni-nolora-1"] == []
     assert args["omni-1"] == lora
     assert args["ours-1"] == lora + ["--load-format", "diffusion-hsdp"]

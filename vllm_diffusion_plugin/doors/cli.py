@@ -301,7 +301,8 @@ def _serve_demo(args: argparse.Namespace) -> int:
         return 0
     except (Interrupted, KeyboardInterrupt) as exc:
         code = exc.code if isinstance(exc, Interrupted) else 130
-        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); the server was stopped",
+        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); the server was stopped, nothing "
+              f"is left running",
               file=sys.stderr)
         return code
     except Exception as exc:

@@ -42,7 +42,10 @@ LOAD_MARKS = {"loaded": "Model loading took"}
 
 
 class ServerError(RuntimeError):
-    """A server did not start, did not stop, or a request failed (not a wrong answer)."""
+    """A server did not start, did not stop, or a request failed (not a wrong answer). Raised by :func:`serve`,
+    it carries the ``ServerRun`` so far as ``run`` (its log and sampled processes)."""
+
+    run: "ServerRun | None" = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,9 @@ end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``p
                 progress(f"[{spec.name}] request {i + 1} answered after {run.request_s[-1]:.1f} s "
                          f"({time.monotonic() - t0:.1f} s after launch)")
         return run
+    except ServerError as exc:
+        exc.run = run  # what was measured before the failure (log, sampled processes)
+        raise
     finally:
         with signals_held():
             if sampler:
