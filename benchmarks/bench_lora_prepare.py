@@ -36,24 +36,27 @@ CONFIG = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=1
 HERE = Path(__file__).resolve().parents[1]
 
 
-def write_lora(path: Path) -> Path:
+def write_lora(path: Path, *, blocks: int = BLOCKS, seed: int = 0) -> Path:
+    """The LoRA described in the module docstring for ``blocks`` blocks (``bench_serve_startup`` writes one per
+    transformer of a narrower-in-depth pipeline), unless ``path`` exists."""
     import torch
     from safetensors.torch import save_file
 
     if path.exists():
         return path
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     tensors = {}
     linears = [(f"{attn}.{p}", DIM, DIM) for attn in ("self_attn", "cross_attn") for p in "qkvo"]
     linears += [("ffn.0", FFN, DIM), ("ffn.2", DIM, FFN)]
-    for block in range(BLOCKS):
+    for block in range(blocks):
         for name, out_f, in_f in linears:
             key = f"diffusion_model.blocks.{block}.{name}"
             tensors[f"{key}.lora_down.weight"] = (torch.randn(RANK, in_f, generator=gen) * 0.01).bfloat16()
             tensors[f"{key}.lora_up.weight"] = (torch.randn(out_f, RANK, generator=gen) * 0.01).bfloat16()
             tensors[f"{key}.alpha"] = torch.tensor(float(RANK))
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path))
+    save_file(tensors, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)  # a cached file is always complete
     return path
 
 

@@ -101,3 +101,12 @@ def test_bad_input_is_one_clear_line_before_any_rank_starts(tiny_wan_dir, args, 
     assert cli.main(["load", str(tiny_wan_dir), "--device", "cpu", *args]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm_omni") is not None,
+                    reason="vllm-omni is installed here: demo --serve would start a server (tests/serve)")
+def test_demo_serve_without_vllm_omni_names_the_extra_to_install():
+    proc = run_cli("demo", "--serve", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "vllm-omni is not installed" in proc.stderr and "install .[omni]" in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and not proc.stdout, proc.stderr  # one line, nothing started

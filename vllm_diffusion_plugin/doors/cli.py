@@ -6,6 +6,7 @@
                             [--hsdp-weight-load full|broadcast|rank_local] [--save-fused OUT_DIR]
                             [--allow-pickle] [--json] [--verbose]
     vllm-diffusion demo [--nproc N] [--json] [--keep DIR] [--verbose]
+    vllm-diffusion demo --serve [--nproc 1|2] [--keep DIR]     (the [omni] extra: a real vllm-omni server)
 
 Started under ``torchrun`` (RANK and WORLD_SIZE set) the command uses that world as is; otherwise
 ``--nproc N`` spawns N local ranks (gloo on CPU, nccl/hccl on accelerators). With more than one rank the
@@ -48,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", type=Path, help="write the demo checkpoint here and keep it")
     demo.add_argument("--verbose", action="store_true",
                       help="show our INFO lines, third-party warnings and the traceback of an error")
+    demo.add_argument("--serve", action="store_true",
+                      help="serve the tiny Wan2.2 pipeline with `vllm serve --omni --load-format diffusion-hsdp` "
+                           "on 127.0.0.1, send one video request, write the mp4 into the working folder, stop "
+                           "(needs the [omni] extra)")
     return parser
 
 
@@ -287,6 +292,27 @@ def _raise_on_signal(signum, frame):
     raise Interrupted(signum)
 
 
+def _serve_demo(args: argparse.Namespace) -> int:
+    """``demo --serve`` (``doors.serve_demo``): its lines on stdout, an error as one line on stderr."""
+    from vllm_diffusion_plugin.doors import serve_demo
+
+    try:
+        serve_demo.run(nproc=args.nproc, keep=args.keep, say=lambda line: print(line, flush=True))
+        return 0
+    except (Interrupted, KeyboardInterrupt) as exc:
+        code = exc.code if isinstance(exc, Interrupted) else 130
+        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); the server was stopped, nothing "
+              f"is left running",
+              file=sys.stderr)
+        return code
+    except Exception as exc:
+        if args.verbose:
+            import traceback
+            traceback.print_exc()
+        print(f"vllm-diffusion: error: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command (see ``_main``); a caller in the same process (a test) gets our loggers' level back after it."""
     from vllm_diffusion_plugin.doors.noise import OURS
@@ -320,6 +346,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"vllm-diffusion: error: {missing}", file=sys.stderr)
         return 1
     previous = signal.signal(signal.SIGTERM, _raise_on_signal)
+    if args.command == "demo" and args.serve:
+        try:
+            return _serve_demo(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     try:
         merged = run_demo(args) if args.command == "demo" else run_load(args)
     except (Interrupted, KeyboardInterrupt) as exc:

@@ -10,6 +10,7 @@ CPU-only host the servers use this package's CPU platform for vllm-omni (``VLLM_
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_diffusion_plugin.engine.report import REPORT_PREFIX
+from vllm_diffusion_plugin.testing.process_stats import GroupSampler, ProcessStats  # noqa: F401
 
 VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height": "32", "num_frames": "5",
               "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",
@@ -34,8 +37,15 @@ VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height":
 timesteps 1000, 937 above the 0.875 boundary -> ``transformer``; 833, 625 below -> ``transformer_2``)."""
 
 
+LOAD_MARKS = {"loaded": "Model loading took"}
+"""vllm-omni's diffusion model runner writes this line when a worker's ``load_model`` returns (our door's too)."""
+
+
 class ServerError(RuntimeError):
-    """A server did not start, did not stop, or a request failed (not a wrong answer)."""
+    """A server did not start, did not stop, or a request failed (not a wrong answer). Raised by :func:`serve`,
+    it carries the ``ServerRun`` so far as ``run`` (its log and sampled processes)."""
+
+    run: "ServerRun | None" = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,18 @@ class ServerRun:
     request_s: list[float] = field(default_factory=list)
     answers: list[bytes] = field(default_factory=list)
     """The bytes each request returned (an mp4, a PNG, ...)."""
+    processes: dict[int, ProcessStats] = field(default_factory=dict)
+    """Every process of the server's process group seen by the sampler (``serve(sample_s=...)``), by PID."""
+
+    @property
+    def first_answer_s(self) -> float:
+        """Launch to the first answered request (``ready_s`` + the first request's seconds)."""
+        return self.ready_s + self.request_s[0] if self.request_s else float("nan")
+
+    @property
+    def workers(self) -> list[ProcessStats]:
+        """The diffusion worker processes (vllm-omni titles them ``DiffusionWorker...``), by title."""
+        return sorted((p for p in self.processes.values() if p.role == "worker"), key=lambda p: p.title)
 
     @property
     def videos(self) -> list[bytes]:
@@ -136,6 +158,21 @@ def stop(proc: subprocess.Popen, *, grace_s: float = 30.0) -> None:
     raise ServerError(f"process group {proc.pid} still alive after SIGKILL")
 
 
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM ignored while the server is being stopped (a second Ctrl-C must not leave it running);
+    restored afterwards. Only in the main thread, where Python handles signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def launch(spec: ServerSpec, logdir: Path, *, cpu: bool) -> tuple[subprocess.Popen, ServerRun, int]:
     """Start the server in a new session (its own process group), stdout and stderr to ``logdir/<name>.log``."""
     port = free_port()
@@ -167,22 +204,39 @@ Request = Callable[[int, float, Path], bytes]
 
 
 def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, requests: int = 1, cpu: bool = True,
-          ready_timeout_s: float = 600.0, request_timeout_s: float = 300.0) -> ServerRun:
+          ready_timeout_s: float = 600.0, request_timeout_s: float = 300.0, sample_s: float | None = None,
+          marks: Mapping[str, str] = LOAD_MARKS, progress: Callable[[str], None] | None = None) -> ServerRun:
     """Start one server, wait until healthy, send ``request`` ``requests`` times (the Wan2.2 video request by
-    default), stop it (always, also on Ctrl-C)."""
+    default), stop it (always, also on Ctrl-C). ``sample_s``: sample every process of the server's group that
+    often (:class:`GroupSampler`; ``run.processes``), with the figures at ``marks`` (default: each worker's
+end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``progress``: called with a line when ready / answered."""
     request = request or request_video
     proc, run, port = launch(spec, logdir, cpu=cpu)
     t0 = time.monotonic()
+    sampler = GroupSampler(proc.pid, interval_s=sample_s, log=run.log, marks=dict(marks)) if sample_s else None
+    if sampler:
+        sampler.start()
     try:
         wait_healthy(proc, run, port, timeout_s=ready_timeout_s)
         run.ready_s = time.monotonic() - t0
-        for _ in range(requests):
+        if progress:
+            progress(f"[{spec.name}] ready after {run.ready_s:.1f} s")
+        for i in range(requests):
             t1 = time.monotonic()
             run.answers.append(request(port, request_timeout_s, run.log))
             run.request_s.append(time.monotonic() - t1)
+            if progress:
+                progress(f"[{spec.name}] request {i + 1} answered after {run.request_s[-1]:.1f} s "
+                         f"({time.monotonic() - t0:.1f} s after launch)")
         return run
+    except ServerError as exc:
+        exc.run = run  # what was measured before the failure (log, sampled processes)
+        raise
     finally:
-        stop(proc)
+        with signals_held():
+            if sampler:
+                run.processes = sampler.finish()  # while the processes are still alive: their last figures
+            stop(proc)
 
 
 def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s: float = 300.0) -> tuple[int, str, float]:
@@ -200,7 +254,8 @@ def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s
             time.sleep(1.0)
         return proc.returncode, run.log_text(), time.monotonic() - t0
     finally:
-        stop(proc)
+        with signals_held():
+            stop(proc)
 
 
 def _post(port: int, path: str, body: bytes, content_type: str, *, timeout_s: float, log: Path) -> tuple[bytes, str]:
@@ -251,6 +306,24 @@ def load_reports(log_text: str) -> list[dict[str, str]]:
         if sep:
             reports.append(dict(_FIELD.findall(rest)))
     return reports
+
+
+_OMNI_LOAD = re.compile(r"\((?P<worker>\w+) pid=(?P<pid>\d+)\).*?(?:Model loading took (?P<gib>[\d.]+) GiB and "
+                        r"(?P<model_s>[\d.]+) seconds|Loading weights took (?P<weights_s>[\d.]+) seconds)")
+
+
+def worker_load_times(log_text: str) -> dict[str, dict[str, float]]:
+    """Per worker (its log prefix, ``DiffusionWorker_FS0`` ...): vllm-omni's own load-phase lines --
+    ``model_s`` from "Model loading took X GiB and Y seconds" (the runner's whole ``load_model``, with our
+    door as without) and ``weights_s`` from "Loading weights took Y seconds" (its ``load_weights``)."""
+    found: dict[str, dict[str, float]] = {}
+    for match in _OMNI_LOAD.finditer(log_text):
+        entry = found.setdefault(match["worker"], {"pid": int(match["pid"])})
+        if match["model_s"]:
+            entry["model_s"], entry["model_gib"] = float(match["model_s"]), float(match["gib"])
+        else:
+            entry["weights_s"] = entry.get("weights_s", 0.0) + float(match["weights_s"])
+    return dict(sorted(found.items()))
 
 
 def bytes_per_rank(reports: list[dict[str, str]]) -> dict[int, int]:

@@ -101,11 +101,14 @@ _TINY_WORDS = ("a", "cat", "dog", "tiny", "video", "of", "the", "on", "in", "red
                "beach", "street", "sky", "with", "and", "slow", "motion")
 
 
-def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                                 text_dim: int | None = None, z_dim: int | None = None) -> dict:
     """Write ``vae/``, ``text_encoder/``, ``tokenizer/`` and ``scheduler/`` of a tiny Wan2.2 text-to-video
     pipeline under ``root`` with diffusers'/transformers' own classes (an ``AutoencoderKLWan``, a
     ``UMT5EncoderModel``, a T5 tokenizer built offline from a word list, a flow-matching
-    ``UniPCMultistepScheduler``); returns their ``model_index.json`` entries."""
+    ``UniPCMultistepScheduler``); returns their ``model_index.json`` entries. ``text_dim`` / ``z_dim``: the
+    encoder's width and the VAE's latent channels for wider transformers (default: ``TINY_WAN_TEXT`` /
+    ``TINY_WAN_VAE``'s, which match ``TINY_CONFIGS["wan"]``)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
@@ -117,8 +120,11 @@ def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtyp
     tokenizer.save_pretrained(root / "tokenizer")
 
     torch.manual_seed(seed + 100)
-    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(pieces), **TINY_WAN_TEXT)).eval()
-    vae = AutoencoderKLWan(**TINY_WAN_VAE).eval()
+    text = TINY_WAN_TEXT | ({"d_model": text_dim} if text_dim else {})
+    vae_config = TINY_WAN_VAE | ({"z_dim": z_dim, "latents_mean": [0.0] * z_dim, "latents_std": [1.0] * z_dim}
+                                 if z_dim else {})
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(pieces), **text)).eval()
+    vae = AutoencoderKLWan(**vae_config).eval()
     gen = torch.Generator().manual_seed(seed + 200)
     with torch.no_grad():
         for param in encoder.parameters():

@@ -15,7 +15,8 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
   GGUF / torchao / pre-quantized checkpoints); the weight-load strategy (``broadcast``: vllm-omni's
   ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank 0 loads through our path,
   vllm-omni's bucketed broadcast sends the result, the other ranks read nothing); then one INFO line per DiT
-  component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=...``;
+  component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=... total_s=...
+  peak_rss=...`` (the worker's peak RSS up to the end of its load);
 - ``load_weights``: for our format, the DiT sources go through ``load_path`` (our manifests, our reader,
   LoRA fused per component with our fusion and device rule, vllm-omni's ``model.load_weights`` for its names
   and q/k/v stacking, our strict missing-weight check). LoRA files: ``lora_path`` entries
@@ -290,10 +291,11 @@ def _assign_loras(loader: Any, options: Any, components: list[str]) -> dict[str,
 def _log_reports(state: dict[str, Any], components: list[str], *, total_s: float) -> None:
     """One INFO line per DiT component on every rank (``report.report_line``); a component this rank did not
     read (a broadcast receiver: vllm-omni did not call ``load_weights`` here) reports ``bytes_read=0``."""
-    from vllm_diffusion_plugin.engine.report import ComponentReport, report_line
+    from vllm_diffusion_plugin.engine.report import ComponentReport, peak_rss_bytes, report_line
 
     report = state["report"]
     by_name = {c.name: c for c in report.components}
+    peak = peak_rss_bytes()  # this worker's high-water mark up to the end of its load
     for name in components:
         component = by_name.get(name) or ComponentReport(name=name, class_name="?")
-        logger.info("%s total_s=%.3f", report_line(report, component), total_s)
+        logger.info("%s total_s=%.3f peak_rss=%d", report_line(report, component), total_s, peak)

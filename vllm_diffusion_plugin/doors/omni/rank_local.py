@@ -248,6 +248,18 @@ def split_sources(model: nn.Module, sources: Sequence[Any], outermost: tuple[Seq
     return dits, whole
 
 
+def _memory(step: str) -> None:
+    """DEBUG: this rank's resident and peak host memory after ``step`` (``VLLM_LOGGING_LEVEL=DEBUG``)."""
+    if not logger.isEnabledFor(10):
+        return
+    try:
+        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+    except OSError:
+        return
+    gib = lambda key: int(status.get(key, "0 kB").split()[0]) / 2**20  # noqa: E731
+    logger.debug("rank_local memory after %s: VmRSS %.2f GiB, VmHWM %.2f GiB", step, gib("VmRSS"), gib("VmHWM"))
+
+
 def load_model(loader: Any, prepare, *, target_device: torch.device | None, load_format: str,
                custom_pipeline_name: Any) -> nn.Module:
     """vllm-omni's HSDP load of a pipeline with every DiT read rank-locally (see the module doc).
@@ -268,13 +280,17 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     parallel = loader.parallel_config
     hsdp_config = HSDPInferenceConfig(enabled=True, hsdp_replicate_size=parallel.hsdp_replicate_size,
                                       hsdp_shard_size=parallel.hsdp_shard_size, param_dtype=loader.od_config.dtype)
+    _memory("start")
     model = loader._init_from_load_format(load_format, device, custom_pipeline_name, is_hsdp=True)
+    _memory("pipeline constructed")
     sources = prepare(model)
     discovered = ModuleDiscovery.discover(model)
     dits, whole = split_sources(model, sources, discovered.outermost_dits())
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
+    _memory("DiTs released to meta")
     bindings, loaded = trace_bindings(model, dits)
+    _memory("bindings traced")
     if whole:  # e.g. FLUX.1's T5 encoder: not sharded by vllm-omni, so every rank reads all of it
         whole_loaded = model.load_weights(load_path.stream(whole))
         loaded = None if loaded is None or whole_loaded is None else loaded | set(whole_loaded)
@@ -288,6 +304,7 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
         with torch.no_grad():
             for name, value in buffers[dit.component].items():
                 module.get_buffer(name).copy_(value)
+    _memory("sharded on meta, local shards allocated")
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for dit in dits:
         start = time.perf_counter()
@@ -304,12 +321,14 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
             lora = fuse_bound_rows(targets, bindings[dit.component], dit.fuser.deltas, modules=dit.fuser.modules,
                                    chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite)
             dit.report.record_lora(lora, time.perf_counter() - start)
+        _memory(f"{dit.component} read and fused")
     on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)
                and (t.to_local() if isinstance(t, DTensor) else t).is_meta]
     if on_meta:
         raise DistributedLoadError(f"{len(on_meta)} tensor(s) are still on the meta device after the rank-local "
                                    f"read: {', '.join(on_meta[:20])}")
     loader._process_weights_after_loading(model, device)
+    _memory("post-processed")
     for group in (discovered.vaes, discovered.encoders, discovered.resident_modules):
         for module in group or ():
             module.to(device)
