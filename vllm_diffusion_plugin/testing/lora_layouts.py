@@ -21,9 +21,7 @@ __all__ = ["FAMILIES", "FLUX_TOP_LEVEL_DIFFUSERS", "LAYOUTS", "build_model", "wr
 FAMILIES = {  # pipeline, transformer class, tiny config
     "wan": ("WanPipeline", "WanTransformer3DModel", TINY_CONFIGS["wan"]),
     "flux": ("FluxPipeline", "FluxTransformer2DModel", TINY_CONFIGS["flux"]),
-    "qwen_image": ("QwenImagePipeline", "QwenImageTransformer2DModel", dict(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
+    "qwen_image": ("QwenImagePipeline", "QwenImageTransformer2DModel", TINY_CONFIGS["qwen-image"]),
     "z_image": ("ZImagePipeline", "ZImageTransformer2DModel", TINY_CONFIGS["z-image"]),
 }
 RANK = 4
