@@ -1,5 +1,5 @@
 """FLUX.1 through vllm-omni's own ``FluxPipeline`` (in-process, real vllm-omni 0.30 classes; the real servers are
-tests/serve/test_serve_flux.py):
+tests/serve/test_serve_images.py):
 
 - the runnable tiny folder (``write_tiny_pipeline(DIR, "flux", runnable=True)``) runs in diffusers' pipeline;
 - vllm-omni's ``FluxPipeline`` loads its DiT through our path with a ComfyUI-layout LoRA and holds diffusers'
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import os
 import sys
 import types
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Qwen-Image through vllm-omni 0.30, in-process (the real servers are in ``tests/serve/test_serve_qwen_image.py``):
+"""Qwen-Image through vllm-omni 0.30, in-process (the real servers are in ``tests/serve/test_serve_images.py``):
 
 - ``write_tiny_pipeline(DIR, "qwen-image", runnable=True)`` writes a folder diffusers' own ``QwenImagePipeline``
   runs on the CPU (DiT in >= 3 shards + index, every component saved by transformers/diffusers), with the DiT at

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-ENABLED = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF", "").strip().lower() in ("1", "true", "yes", "on")
+from serve_proof import ENABLED
 CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli", "demo", "--serve"]
 pytestmark = [
     pytest.mark.serve,

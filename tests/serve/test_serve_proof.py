@@ -32,24 +32,20 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import serve_proof as sp
 
-ENABLED = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF", "").strip().lower() in ("1", "true", "yes", "on")
-DEVICE = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DEVICE", "auto")  # cpu | gpu | auto (gpu when CUDA works)
-CPU = DEVICE == "cpu" or (DEVICE == "auto" and not __import__("torch").cuda.is_available())
-READY_TIMEOUT_S = float(os.environ.get("VLLM_DIFFUSION_SERVE_READY_TIMEOUT_S", "600"))
+CPU, READY_TIMEOUT_S = sp.CPU, sp.READY_TIMEOUT_S
 MAX_MEAN_ABS, MAX_ABS, CONTROL_FACTOR = 0.5, 8, 10.0
 STRATEGIES = ("full", "broadcast", "rank_local")
 """The weight-load strategies, each served at 2 ranks."""
 
 pytestmark = [
     pytest.mark.serve,
-    pytest.mark.skipif(not ENABLED, reason="set VLLM_DIFFUSION_SERVE_PROOF=1 to start real vllm-omni servers"),
+    pytest.mark.skipif(not sp.ENABLED, reason="set VLLM_DIFFUSION_SERVE_PROOF=1 to start real vllm-omni servers"),
     pytest.mark.timeout(1800),
 ]
 
@@ -95,18 +91,12 @@ class Proof:
 @pytest.fixture(scope="module")
 def proof(tmp_path_factory) -> Proof:
     root = Path(os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DIR") or tmp_path_factory.mktemp("serve-proof"))
-    # A stage timeout sends SIGTERM: unwind, so that the running server's `finally` stops its process group.
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    proof = Proof(root)
-    yield proof
-    signal.signal(signal.SIGTERM, previous)
+    with sp.unwind_on_sigterm():  # a stage timeout stops the running server's process group
+        proof = Proof(root)
+        yield proof
     proof.summary["stage_s"] = round(time.monotonic() - proof.t0, 1)
     sp.write_summary(root / "summary.json", proof.summary)
     print(f"\n[summary] {root / 'summary.json'}\n{json.dumps(proof.summary, indent=1)}", flush=True)
-
-
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(f"terminated by signal {signum}")
 
 
 def assert_close_to_reference(proof: Proof, name: str, video: bytes) -> None:

@@ -1,5 +1,5 @@
 """Test-only: vllm-omni's own ``ZImagePipeline`` with its DiT built at the size of the folder's
-``transformer/config.json``, for the Z-Image serving proof (``test_serve_z_image.py``).
+``transformer/config.json``, for the Z-Image serving proof (``test_serve_images.py``).
 
 Why. vllm-omni 0.30's ``ZImagePipeline.__init__`` builds ``ZImageTransformer2DModel(quant_config=...)`` with the
 constructor's defaults (``vllm_omni/diffusion/models/z_image/pipeline_z_image.py:228``: Z-Image-Turbo's dim 3840,
