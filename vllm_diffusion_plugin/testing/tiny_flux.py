@@ -4,7 +4,7 @@
 writes (``TINY_CONFIGS["flux"]``: inner width 32, ``pooled_projection_dim`` 32, ``joint_attention_dim`` 32,
 ``in_channels`` 4 = one latent channel packed 2x2). FLUX.1 reads two text encoders: CLIP (its pooled output
 feeds ``pooled_projection_dim``) and T5 (its hidden states feed ``joint_attention_dim``); both tokenizers are
-built here offline with the ``tokenizers`` library (no hub). Every parameter is drawn from a seeded normal, as
+built offline (``tiny_tokenizers.clip_tokenizer`` / ``t5_tokenizer``, no hub). Every parameter is drawn from a seeded normal, as
 ``tiny_models.build_tiny_model`` does, so a weight a loader forgets shows in the image.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from vllm_diffusion_plugin.testing.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  max_position_embeddings=77, projection_dim=32)
@@ -33,36 +35,6 @@ SCALE = 0.2
 """Standard deviation of every seeded parameter."""
 
 
-def clip_tokenizer():
-    """A byte-level BPE ``CLIPTokenizer``: every byte, every byte ending a word (``</w>``), and merges for
-    :data:`WORDS`, trained offline by ``tokenizers``' own ``BpeTrainer``; 77 tokens long, as CLIP's."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import CLIPTokenizer
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    specials = ["<|startoftext|>", "<|endoftext|>"]
-    bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", continuing_subword_prefix=""))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    trainer = trainers.BpeTrainer(vocab_size=10_000, min_frequency=1, special_tokens=specials,
-                                  initial_alphabet=alphabet + [c + "</w>" for c in alphabet],
-                                  end_of_word_suffix="</w>", show_progress=False)
-    bpe.train_from_iterator([" ".join(WORDS)] * 2, trainer=trainer)
-    state = __import__("json").loads(bpe.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
-    return CLIPTokenizer(vocab=state["vocab"], merges=merges, model_max_length=77)
-
-
-def t5_tokenizer():
-    """A unigram ``T5TokenizerFast`` from :data:`WORDS` and the letters (as ``tiny_models``' Wan tokenizer)."""
-    from transformers import T5TokenizerFast
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    pieces += [(f"\u2581{w}", -1.0 - i / 10) for i, w in enumerate(WORDS)]
-    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
-    return T5TokenizerFast(vocab=pieces, extra_ids=0)
-
-
 def _seeded(module: torch.nn.Module, gen: torch.Generator) -> torch.nn.Module:
     with torch.no_grad():
         for param in module.parameters():
@@ -78,7 +50,7 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     root = Path(root)
-    clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
+    clip_tok, t5_tok = clip_tokenizer(WORDS), t5_tokenizer(WORDS)
     clip_tok.save_pretrained(root / "tokenizer")
     t5_tok.save_pretrained(root / "tokenizer_2")
     gen = torch.Generator().manual_seed(seed + 300)

@@ -110,20 +110,19 @@ def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtyp
     encoder's width and the VAE's latent channels for wider transformers (default: ``TINY_WAN_TEXT`` /
     ``TINY_WAN_VAE``'s, which match ``TINY_CONFIGS["wan"]``)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from vllm_diffusion_plugin.testing.tiny_tokenizers import t5_tokenizer
 
     root = Path(root)
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
-    pieces += [(f"\u2581{w}", -1.0 - i / 10) for i, w in enumerate(_TINY_WORDS)]
-    pieces += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
-    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0)
+    tokenizer = t5_tokenizer(_TINY_WORDS)
     tokenizer.save_pretrained(root / "tokenizer")
 
     torch.manual_seed(seed + 100)
     text = TINY_WAN_TEXT | ({"d_model": text_dim} if text_dim else {})
     vae_config = TINY_WAN_VAE | ({"z_dim": z_dim, "latents_mean": [0.0] * z_dim, "latents_std": [1.0] * z_dim}
                                  if z_dim else {})
-    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(pieces), **text)).eval()
+    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **text)).eval()
     vae = AutoencoderKLWan(**vae_config).eval()
     gen = torch.Generator().manual_seed(seed + 200)
     with torch.no_grad():
