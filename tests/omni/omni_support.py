@@ -112,3 +112,14 @@ class RecordedLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features)
         self.quant_method = RecordingMethod()
+
+
+def tensor_bytes(folder) -> int:
+    """Bytes of every tensor in the ``*.safetensors`` files of ``folder`` (what reading each tensor once reads)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(f.get_tensor(k).nbytes for k in f.keys())
+    return total

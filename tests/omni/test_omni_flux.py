@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_support import captured_logs, import_omni
+from omni_support import captured_logs, import_omni, tensor_bytes
 
 from vllm_diffusion_plugin.testing.lora_layouts import write_layout
 from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
@@ -159,16 +159,6 @@ def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
             out[strategy] = {"bytes": reports, "sharded": sharded, "params": params if rank == 0 else {}}
             del model
     return out
-
-
-def tensor_bytes(folder: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            total += sum(f.get_tensor(k).nbytes for k in f.keys())
-    return total
 
 
 def test_rank_local_reads_the_dits_rows_and_the_t5_source_whole_at_two_ranks(omni, flux, monkeypatch):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_support import FAMILIES, OneDitPipeline, build_family_dit, import_omni
+from omni_support import FAMILIES, OneDitPipeline, build_family_dit, import_omni, tensor_bytes
 
 
 import_omni()  # skips this module where vllm-omni is not installed
@@ -80,16 +80,6 @@ def rank_worker(rank: int, world_size: int, root: str, high: str, low: str) -> d
     return out
 
 
-def dit_tensor_bytes(folder: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for file in folder.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            total += sum(f.get_tensor(k).nbytes for k in f.keys())
-    return total
-
-
 def test_each_rank_reads_its_own_rows_of_the_stacked_dits(omni, wan22, monkeypatch):
     # vllm-omni picks its platform once, when first imported (here: unpickling the worker's module), so the
     # ranks are spawned fresh with our CPU platform's variable already in their environment
@@ -97,7 +87,7 @@ def test_each_rank_reads_its_own_rows_of_the_stacked_dits(omni, wan22, monkeypat
     results = run_distributed(rank_worker, 2, args=(str(wan22.root), str(wan22.high), str(wan22.low)),
                               timeout_s=600, start_method="spawn")
     for component in DITS:
-        total = dit_tensor_bytes(wan22.root / component)
+        total = tensor_bytes(wan22.root / component)
         full = [r["full"]["bytes"][component] for r in results]
         local = [r["rank_local"]["bytes"][component] for r in results]
         print(f"\n[bytes read] {component}: full {full}, rank_local {local} of {total}", flush=True)

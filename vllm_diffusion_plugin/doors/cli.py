@@ -299,18 +299,25 @@ def _serve_demo(args: argparse.Namespace) -> int:
     try:
         serve_demo.run(nproc=args.nproc, keep=args.keep, say=lambda line: print(line, flush=True))
         return 0
-    except (Interrupted, KeyboardInterrupt) as exc:
+    except (Interrupted, KeyboardInterrupt, Exception) as exc:  # the server's log tail kept under the message
+        return _failed(exc, args, interrupted="the server was stopped, nothing is left running", message=str(exc))
+
+
+def _failed(exc: BaseException, args: argparse.Namespace, *, interrupted: str, message: str | None = None) -> int:
+    """The exit code for ``exc``, said on stderr: 130 / 143 for SIGINT / SIGTERM (``interrupted``: what was
+    cleaned up), else 1 with one error line (``message``, default ``launcher.error_line``; a traceback first
+    with ``--verbose``)."""
+    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
         code = exc.code if isinstance(exc, Interrupted) else 130
-        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); the server was stopped, nothing "
-              f"is left running",
-              file=sys.stderr)
+        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); {interrupted}", file=sys.stderr)
         return code
-    except Exception as exc:
-        if args.verbose:
-            import traceback
-            traceback.print_exc()
-        print(f"vllm-diffusion: error: {exc}", file=sys.stderr)
-        return 1
+    if args.verbose:
+        import traceback
+        traceback.print_exc()
+    from vllm_diffusion_plugin.doors.launcher import error_line
+
+    print(f"vllm-diffusion: error: {message if message is not None else error_line(exc)}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,20 +360,9 @@ def _main(argv: list[str] | None) -> int:
             signal.signal(signal.SIGTERM, previous)
     try:
         merged = run_demo(args) if args.command == "demo" else run_load(args)
-    except (Interrupted, KeyboardInterrupt) as exc:
-        code = exc.code if isinstance(exc, Interrupted) else 130
-        print(f"vllm-diffusion: interrupted ({signal.Signals(code - 128).name}); every rank stopped, nothing "
-              f"was written", file=sys.stderr)
-        return code
-    except Exception as exc:
+    except (Interrupted, KeyboardInterrupt, Exception) as exc:
         # Bad input or a failed rank: the message names the file, key or rank; a traceback only on request.
-        if args.verbose:
-            import traceback
-            traceback.print_exc()
-        from vllm_diffusion_plugin.doors.launcher import error_line
-
-        print(f"vllm-diffusion: error: {error_line(exc)}", file=sys.stderr)
-        return 1
+        return _failed(exc, args, interrupted="every rank stopped, nothing was written")
     finally:
         signal.signal(signal.SIGTERM, previous)
     from vllm_diffusion_plugin.engine.report import format_table
