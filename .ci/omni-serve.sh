@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # CI stage: the serving proof in real vllm-omni servers (tests/serve), in the [omni] environment.
 #   .ci/omni-serve.sh [VENV_DIR]      e.g. .ci/omni-serve.sh .venv-omni (default: the active environment)
-# Builds a tiny Wan2.2 pipeline with two LoRAs, starts `vllm serve DIR --omni` servers one at a time on
-# 127.0.0.1 (the CPU platform of this package on a CPU-only host) and compares their videos. Fails on any test
-# failure, on pytest collecting or running no test, and on the stage timeout. Prints time-to-ready per server,
-# bytes read per rank per weight-load strategy, the frame distances and the stage's wall time.
+# Builds tiny pipelines -- Wan2.2 with two LoRAs (test_serve_proof.py); FLUX.1, Qwen-Image and Z-Image with one
+# LoRA each (test_serve_images.py) -- starts `vllm serve DIR --omni` servers one at a time on 127.0.0.1 (the CPU
+# platform of this package on a CPU-only host) and compares their videos / images; then `vllm-diffusion demo
+# --serve` (test_serve_demo.py). Fails on any test failure, on pytest collecting or running no test, and on the
+# stage timeout. Prints, per family, time-to-ready per server, bytes read per rank per weight-load strategy, the
+# pixel distances and the proof's wall time, then the stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,7 +14,7 @@ VENV=${1:-$(dirname "$(dirname "$(command -v python3)")")}   # default: the acti
 PYTHON="$VENV/bin/python"
 [ -x "$PYTHON" ] || { echo "omni-serve: $PYTHON not found" >&2; exit 1; }
 [ -x "$VENV/bin/vllm" ] || { echo "omni-serve: $VENV/bin/vllm not found (install .[omni,test])" >&2; exit 1; }
-TIMEOUT=${OMNI_SERVE_TIMEOUT:-1500}   # seconds for the whole proof (~6 min on a quiet 2-core host)
+TIMEOUT=${OMNI_SERVE_TIMEOUT:-1800}   # seconds for the whole proof (~17 min on a quiet 2-core host)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/omni-serve.XXXXXX")
 start=$(date +%s)
 

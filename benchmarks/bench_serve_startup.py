@@ -235,7 +235,7 @@ def goals(summary: dict[str, dict], caches: list[str]) -> list[dict]:
         get = lambda s, k: summary.get(f"{s}-{cache}", {}).get(k)  # noqa: E731
         pairs = [("ours-1", "omni-1")] + [(f"ours-hsdp2-{s}", "omni-hsdp2") for s in STRATEGIES]
         for ours, omni in pairs:
-            for key in ("ready_s", "first_s"):
+            for key in ("ready_s", "first_s", "load_s"):
                 r = ratio(get(omni, key), get(ours, key))
                 if r is not None:
                     found.append({"goal": f"{ours} not slower than {omni} ({cache}, {key})", "ratio": r,

@@ -209,7 +209,8 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
     """Start one server, wait until healthy, send ``request`` ``requests`` times (the Wan2.2 video request by
     default), stop it (always, also on Ctrl-C). ``sample_s``: sample every process of the server's group that
     often (:class:`GroupSampler`; ``run.processes``), with the figures at ``marks`` (default: each worker's
-end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``progress``: called with a line when ready / answered."""
+    end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``progress``: called with a line
+    when ready and when each request is answered."""
     request = request or request_video
     proc, run, port = launch(spec, logdir, cpu=cpu)
     t0 = time.monotonic()
