@@ -53,7 +53,7 @@ def test_the_runnable_folder_runs_in_diffusers(flux):
     assert ids[0] == pipe.tokenizer.bos_token_id and ids[-1] == pipe.tokenizer.eos_token_id and len(ids) == 9
     image = pipe("a red cat sits on the beach", height=32, width=32, num_inference_steps=2,
                  generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=16).images
-    assert image.shape == (1, 32, 32, 3) and 0.1 < float(image.std()) and float(image.mean()) < 0.9
+    assert image.shape == (1, 32, 32, 3) and 0.05 < float(image.std()) and float(image.mean()) < 0.9  # not flat grey
 
 
 # --- vllm-omni's FluxPipeline through our path -----------------------------------------------------------------
