@@ -9,9 +9,10 @@ weights then do not fit (and building the 6B DiT in float32 on a small CPU host 
 How. ``ConfigSizedZImagePipeline`` runs vllm-omni's own ``ZImagePipeline.__init__`` with the module's
 ``ZImageTransformer2DModel`` name bound, for that call only, to the same class with the config's constructor
 arguments; everything else (text encoder, VAE, scheduler, weight sources, ``load_weights``, ``forward``) is
-vllm-omni's unchanged. Served with ``--custom-pipeline-args '{"pipeline_class": "z_image_pipeline.ConfigSizedZImagePipeline"}'``
-(this folder on the workers' ``PYTHONPATH``); vllm-omni then loads it with its ``custom_pipeline`` load format,
-the path our door carries (``patch_load_path.CARRIED_PIPELINE_FORMATS``).
+vllm-omni's unchanged. Served with
+``--custom-pipeline-args '{"pipeline_class": "z_image_pipeline.ConfigSizedZImagePipeline"}'`` (this folder
+on the workers' ``PYTHONPATH``); vllm-omni then loads it with its ``custom_pipeline`` load format, the path our
+door carries (``patch_load_path.CARRIED_PIPELINE_FORMATS``).
 
 Is it a fair proof of our door? Yes: the reference, the control and ours all run this same class; the only
 difference between the reference and ours is who reads the DiT and fuses the LoRA (vllm-omni's loader reading a

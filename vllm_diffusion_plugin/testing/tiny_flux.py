@@ -4,8 +4,8 @@
 writes (``TINY_CONFIGS["flux"]``: inner width 32, ``pooled_projection_dim`` 32, ``joint_attention_dim`` 32,
 ``in_channels`` 4 = one latent channel packed 2x2). FLUX.1 reads two text encoders: CLIP (its pooled output
 feeds ``pooled_projection_dim``) and T5 (its hidden states feed ``joint_attention_dim``); both tokenizers are
-built offline (``tiny_tokenizers.clip_tokenizer`` / ``t5_tokenizer``, no hub). Every parameter is drawn from a seeded normal, as
-``tiny_models.build_tiny_model`` does, so a weight a loader forgets shows in the image.
+built offline (``tiny_tokenizers.clip_tokenizer`` / ``t5_tokenizer``, no hub). Every parameter is drawn from a
+seeded normal, as ``tiny_models.build_tiny_model`` does, so a weight a loader forgets shows in the image.
 """
 
 from __future__ import annotations
