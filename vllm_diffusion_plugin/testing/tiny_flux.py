@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_diffusion_plugin.testing.tiny_models import seed_parameters
 from vllm_diffusion_plugin.testing.tiny_tokenizers import clip_tokenizer, t5_tokenizer
 
 TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -31,15 +32,6 @@ TINY_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlo
 WORDS = ("a", "cat", "dog", "tiny", "photo", "of", "the", "on", "in", "red", "blue", "sits", "runs", "beach",
          "street", "sky", "with", "and", "green", "hat")
 """The tokenizers' own words (anything else is spelled out by characters)."""
-SCALE = 0.2
-"""Standard deviation of every seeded parameter."""
-
-
-def _seeded(module: torch.nn.Module, gen: torch.Generator) -> torch.nn.Module:
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * SCALE)
-    return module.eval()
 
 
 def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -63,7 +55,7 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
                                  **TINY_T5))
     vae = AutoencoderKL(**TINY_VAE)
     for name, module in (("text_encoder", clip), ("text_encoder_2", t5), ("vae", vae)):
-        _seeded(module, gen).to(dtype).save_pretrained(root / name)
+        seed_parameters(module, gen).eval().to(dtype).save_pretrained(root / name)
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
                                     base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                                     max_image_seq_len=4096).save_pretrained(root / "scheduler")

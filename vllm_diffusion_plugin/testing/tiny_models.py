@@ -49,11 +49,17 @@ def build_tiny_model(kind: str, *, seed: int = 0, dtype: torch.dtype = torch.flo
     cls = getattr(diffusers, PIPELINES[kind][1])
     torch.manual_seed(seed)
     model = cls(**TINY_CONFIGS[kind])
-    gen = torch.Generator().manual_seed(1000 + seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    seed_parameters(model, torch.Generator().manual_seed(1000 + seed))
     return (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+
+def seed_parameters(module: torch.nn.Module, gen: torch.Generator, std: float = 0.2) -> torch.nn.Module:
+    """Every parameter of ``module`` drawn from ``N(0, std)`` by ``gen``, in ``parameters()`` order (the tiny
+    models' init: a weight a loader forgets shows in the output); returns ``module``."""
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return module
 
 
 def write_tiny_pipeline(root: Path, kind: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -124,10 +130,7 @@ def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtyp
                                  if z_dim else {})
     encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), **text)).eval()
     vae = AutoencoderKLWan(**vae_config).eval()
-    gen = torch.Generator().manual_seed(seed + 200)
-    with torch.no_grad():
-        for param in encoder.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    seed_parameters(encoder, torch.Generator().manual_seed(seed + 200))
     encoder.to(dtype).save_pretrained(root / "text_encoder")
     vae.to(dtype).save_pretrained(root / "vae")
     UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,

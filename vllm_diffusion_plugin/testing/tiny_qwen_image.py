@@ -5,7 +5,7 @@ What vllm-omni 0.30's ``QwenImagePipeline`` (and diffusers' own) loads from the 
 ``Qwen2_5_VLForConditionalGeneration`` (vllm-omni drops its vision tower after loading), ``tokenizer/`` a
 ``Qwen2Tokenizer``, ``vae/`` an ``AutoencoderKLQwenImage`` (``vae_scale_factor`` = 2 ** len(temperal_downsample)
 = 8: images are multiples of 16), ``scheduler/`` a ``FlowMatchEulerDiscreteScheduler``. Sizes follow the tiny DiT
-of ``testing.lora_layouts.FAMILIES["qwen_image"]``: the encoder's hidden size is its ``joint_attention_dim`` (32),
+of ``tiny_models.TINY_CONFIGS["qwen-image"]``: the encoder's hidden size is its ``joint_attention_dim`` (32),
 the VAE's ``z_dim`` (4) times the 2x2 packing is its ``in_channels`` (16). The pipelines drop the first
 ``prompt_template_encode_start_idx`` (34) tokens of the prompt template; the tiny tokenizer makes the template's
 system part exactly 34 tokens, as Qwen's does, so the prompt's own tokens reach the DiT.
@@ -32,19 +32,13 @@ TINY_QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq
 """Qwen-Image's own scheduler config (the released checkpoint's ``scheduler/scheduler_config.json``)."""
 
 
-def _seed_parameters(module: torch.nn.Module, seed: int, std: float = 0.2) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * std)
-
-
 def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Write ``text_encoder/``, ``tokenizer/``, ``vae/`` and ``scheduler/`` of a tiny Qwen-Image pipeline under
     ``root``; returns their ``model_index.json`` entries. Every parameter is seeded random."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    from vllm_diffusion_plugin.testing.tiny_models import seed_parameters
     from vllm_diffusion_plugin.testing.tiny_tokenizers import qwen2_tokenizer
 
     root = Path(root)
@@ -59,10 +53,10 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
                               vision_end_token_id=ids("<|vision_end|>"))
     torch.manual_seed(seed + 100)
     encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
-    _seed_parameters(encoder, seed + 200)
+    seed_parameters(encoder, torch.Generator().manual_seed(seed + 200))
     encoder.to(dtype).save_pretrained(root / "text_encoder")
     vae = AutoencoderKLQwenImage(**TINY_QWEN_VAE).eval()
-    _seed_parameters(vae, seed + 300, std=0.3)
+    seed_parameters(vae, torch.Generator().manual_seed(seed + 300), std=0.3)
     vae.to(dtype).save_pretrained(root / "vae")
     FlowMatchEulerDiscreteScheduler(**TINY_QWEN_SCHEDULER).save_pretrained(root / "scheduler")
     return {"tokenizer": ["transformers", "Qwen2Tokenizer"],

@@ -36,6 +36,7 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from vllm_diffusion_plugin.testing.tiny_models import seed_parameters
     from vllm_diffusion_plugin.testing.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL, qwen2_tokenizer
 
     root = Path(root)
@@ -48,9 +49,8 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     encoder = Qwen3ForCausalLM(config).eval()
     vae = AutoencoderKL(**TINY_Z_IMAGE_VAE).eval()
     gen = torch.Generator().manual_seed(seed + 200)
+    seed_parameters(encoder, gen)
     with torch.no_grad():
-        for param in encoder.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
         for param in vae.parameters():  # around diffusers' init (norms ~1), so the decoder does not saturate
             param.add_(torch.randn(param.shape, generator=gen) * 0.05)
     # Saved as the causal LM (keys ``model.*``, as Z-Image-Turbo's text_encoder is): vllm-omni builds
