@@ -31,7 +31,7 @@ from vllm_diffusion_plugin.testing.servers import (  # noqa: F401  (the proof's 
     REPORT_PREFIX, VIDEO_FORM, ServerError, ServerRun, ServerSpec, bytes_per_rank, load_reports, refused_start,
     request_image, request_video, serve)
 from vllm_diffusion_plugin.testing.serve_checkpoints import (  # noqa: F401  (moved there; shared with the demo)
-    LORA_ALPHA, LORA_RANK, Checkpoints, build_checkpoints)
+    LORA_ALPHA, LORA_RANK, Checkpoints, build_checkpoints, save_fused_dit)
 
 ENABLED = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF", "").strip().lower() in ("1", "true", "yes", "on")
 DEVICE = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DEVICE", "auto")  # cpu | gpu | auto (gpu when CUDA works)
@@ -144,14 +144,8 @@ def merge_with_diffusers(original: Path, lora: Path, out: Path, *, dit: str = "t
     pipe.load_lora_weights(str(lora))
     pipe.fuse_lora(components=[dit], lora_scale=1.0)
     pipe.unload_lora_weights()
-    state = model.state_dict()
-    changed = sorted(k for k, v in state.items() if not torch.equal(v, before[k]))
-    if len(changed) < 8:
-        raise ServerError(f"diffusers fused {lora.name} into only {changed}: the reference would prove little")
     shutil.copytree(original, out, ignore=shutil.ignore_patterns(dit))
-    sizes = [t.numel() * t.element_size() for t in state.values()]
-    model.save_pretrained(out / dit, max_shard_size=max(sum(sizes) // 4, max(sizes)))
-    return changed
+    return save_fused_dit(model, before, lora, out / dit)
 
 
 class ImageProof:

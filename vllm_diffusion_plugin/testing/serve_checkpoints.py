@@ -103,8 +103,16 @@ def _save_fused(transformer: Path, lora: Path, out: Path) -> None:
     model.load_lora_adapter(state_dict, prefix="transformer", metadata=metadata)
     model.fuse_lora(lora_scale=1.0)
     model.unload_lora()
-    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    save_fused_dit(model, before, lora, out)
+
+
+def save_fused_dit(model: torch.nn.Module, before: dict[str, torch.Tensor], lora: Path, out: Path) -> list[str]:
+    """Save ``model`` (a DiT diffusers fused ``lora`` into; ``before``: its state dict before) to ``out`` in 4
+    shards; returns the state-dict keys the LoRA changed, refusing fewer than 8 (a reference that proves little)."""
+    state = model.state_dict()
+    changed = sorted(k for k, v in state.items() if not torch.equal(v, before[k]))
     if len(changed) < 8:
         raise RuntimeError(f"diffusers fused {lora.name} into only {changed}: the reference would prove little")
-    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    sizes = [t.numel() * t.element_size() for t in state.values()]
     model.save_pretrained(out, max_shard_size=max(sum(sizes) // 4, max(sizes)))
+    return changed
