@@ -135,3 +135,16 @@ def test_marks_keep_a_processes_figures_when_its_log_line_appears(tmp_path):
         proc.wait()
     loaded = stats.at_marks["loaded"]["peak_rss"]
     assert 100 << 20 <= loaded < (250 << 20) <= stats.peak_rss, stats
+
+
+def test_status_memory_reads_this_process_and_nothing_of_a_gone_one():
+    from vllm_diffusion_plugin.engine.report import status_memory
+
+    block = bytearray(64 << 20)  # zero-filled by the allocator: resident once written
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    mine = status_memory()
+    assert mine["VmHWM"] >= mine["VmRSS"] >= len(block), mine
+    assert status_memory(os.getpid()).keys() == mine.keys()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert status_memory(int(gone.stdout)) == {}

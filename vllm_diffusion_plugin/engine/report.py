@@ -29,6 +29,17 @@ REPORT_PREFIX = "diffusion-hsdp load report:"
 """Starts every ``report_line``."""
 
 
+def status_memory(pid: int | str = "self") -> dict[str, int]:
+    """The ``Vm*`` lines of ``/proc/PID/status`` in bytes (``VmRSS``, ``VmHWM``, ...); empty where unreadable
+    (not Linux, or the process is gone)."""
+    try:
+        lines = open(f"/proc/{pid}/status").read().splitlines()
+    except OSError:
+        return {}
+    fields = (line.split(":", 1) for line in lines if line.startswith("Vm") and line.endswith(" kB"))
+    return {key: int(value.split()[0]) * 1024 for key, value in fields}
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

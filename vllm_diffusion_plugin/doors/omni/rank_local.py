@@ -20,6 +20,7 @@ and its placement of VAEs / encoders follow, as in its own HSDP path.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -250,14 +251,13 @@ def split_sources(model: nn.Module, sources: Sequence[Any], outermost: tuple[Seq
 
 def _memory(step: str) -> None:
     """DEBUG: this rank's resident and peak host memory after ``step`` (``VLLM_LOGGING_LEVEL=DEBUG``)."""
-    if not logger.isEnabledFor(10):
+    if not logger.isEnabledFor(logging.DEBUG):
         return
-    try:
-        status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
-    except OSError:
-        return
-    gib = lambda key: int(status.get(key, "0 kB").split()[0]) / 2**20  # noqa: E731
-    logger.debug("rank_local memory after %s: VmRSS %.2f GiB, VmHWM %.2f GiB", step, gib("VmRSS"), gib("VmHWM"))
+    from vllm_diffusion_plugin.engine.report import status_memory
+
+    if memory := status_memory():
+        logger.debug("rank_local memory after %s: VmRSS %.2f GiB, VmHWM %.2f GiB", step,
+                     memory.get("VmRSS", 0) / 2**30, memory.get("VmHWM", 0) / 2**30)
 
 
 def load_model(loader: Any, prepare, *, target_device: torch.device | None, load_format: str,

@@ -22,7 +22,6 @@ It is a diffusion-only platform: vllm-omni's autoregressive and generation worke
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -54,12 +53,10 @@ def device_count() -> int:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size since the last reset (``VmHWM``), or the current RSS where unreadable."""
-    try:
-        match = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    except OSError:
-        match = None
-    if match:
-        return int(match.group(1)) * 1024
+    from vllm_diffusion_plugin.engine.report import status_memory
+
+    if peak := status_memory().get("VmHWM"):
+        return peak
     import psutil
 
     return psutil.Process().memory_info().rss
