@@ -12,6 +12,7 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from vllm_diffusion_plugin.testing.logs import captured_logs  # noqa: F401  (re-exported for the omni tests)
+from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
 
 REQUIRED = os.environ.get("OMNI_TESTS_REQUIRED") == "1"
 
@@ -42,16 +43,35 @@ def omni_loader(load_format: str = "diffusion-hsdp", extra: dict | None = None, 
 
 
 FAMILIES = {  # vllm-omni module, class (diffusers has the same name), a tiny config both accept
-    "flux": ("vllm_omni.diffusion.models.flux.flux_transformer", "FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))),
+    "flux": ("vllm_omni.diffusion.models.flux.flux_transformer", "FluxTransformer2DModel",
+             TINY_CONFIGS["flux"] | {"guidance_embeds": False}),
     "qwen_image": ("vllm_omni.diffusion.models.qwen_image.qwen_image_transformer", "QwenImageTransformer2DModel",
-                   dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
-                        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
-    "z_image": ("vllm_omni.diffusion.models.z_image.z_image_transformer", "ZImageTransformer2DModel", dict(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2,
-        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])),
+                   TINY_CONFIGS["qwen-image"]),
+    "z_image": ("vllm_omni.diffusion.models.z_image.z_image_transformer", "ZImageTransformer2DModel",
+                TINY_CONFIGS["z-image"]),
 }
+
+
+def load_pipeline(folder, pipeline_class: str, vllm_config, options: dict, **stage):
+    """``(model, loader)``: vllm-omni's ``DiffusersPipelineLoader`` loading ``folder`` as a diffusion worker does
+    with ``--load-format diffusion-hsdp --additional-config '{"diffusion_hsdp": options}'`` (``stage``: more
+    stage arguments, e.g. ``use_hsdp``), the stage config enriched as the engine does before the workers start,
+    in a forward context of ``vllm_config`` (whose parallel state the caller set up)."""
+    import torch
+    from vllm.config.load import LoadConfig
+    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.forward_context import set_forward_context
+    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
+
+    od_config = OmniDiffusionConfig(**extract_diffusion_stage_config_kwargs(dict(
+        model=str(folder), model_class_name=pipeline_class, dtype="float32", load_format="diffusion-hsdp",
+        additional_config={"diffusion_hsdp": options}, **stage), stage_id=0))
+    od_config.enrich_config()  # the transformer's config.json
+    loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)  # as the diffusion model runner builds it
+    with set_forward_context(vllm_config=vllm_config, omni_diffusion_config=od_config):
+        model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+    return model, loader
 
 
 class OneDitPipeline(nn.Module):

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_support import captured_logs, import_omni, tensor_bytes
+from omni_support import captured_logs, import_omni, load_pipeline, tensor_bytes
 
 from vllm_diffusion_plugin.testing.lora_layouts import write_layout
 from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 
-FLAG = "diffusion-hsdp"
 HERE = Path(__file__).parent
 
 
@@ -82,21 +81,8 @@ def omni_view(params: dict[str, torch.Tensor], name: str, rows: int) -> torch.Te
 
 
 def test_vllm_omnis_flux_pipeline_loads_the_merged_weights_through_our_path(omni_world, flux):
-    from vllm.config.load import LoadConfig
-    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.forward_context import set_forward_context
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-
-    fields = extract_diffusion_stage_config_kwargs({
-        "model": str(flux.root), "dtype": "float32", "model_class_name": "FluxPipeline", "load_format": FLAG,
-        "additional_config": {"diffusion_hsdp": {"lora_path": [f"transformer={flux.lora}"]}}}, stage_id=0)
-    od_config = OmniDiffusionConfig(**fields)
-    od_config.enrich_config()  # the transformer's config.json, as the engine reads it before the workers start
-    loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
-    with set_forward_context(vllm_config=omni_world, omni_diffusion_config=od_config), \
-            captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
-        model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+    with captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
+        model, _ = load_pipeline(flux.root, "FluxPipeline", omni_world, {"lora_path": [f"transformer={flux.lora}"]})
     assert type(model).__name__ == "FluxPipeline"
     merged = diffusers_merged(flux)
     params = dict(model.transformer.named_parameters())
@@ -128,12 +114,7 @@ def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
     apply_patches()  # before the names below are imported: they must be the patched ones
     from torch.distributed.tensor import DTensor
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.config.load import LoadConfig
-    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.distributed import parallel_state
-    from vllm_omni.diffusion.forward_context import set_forward_context
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
     out = {}
     config = VllmConfig()
@@ -143,13 +124,8 @@ def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
         parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True, backend="gloo")
         for strategy in ("full", "rank_local"):
             options = {"lora_path": [f"transformer={lora}"], "hsdp_weight_load": strategy}
-            od_config = OmniDiffusionConfig(**extract_diffusion_stage_config_kwargs(dict(
-                model=root, model_class_name="FluxPipeline", dtype="float32", load_format=FLAG, use_hsdp=True,
-                hsdp_shard_size=world_size, additional_config={"diffusion_hsdp": options}), stage_id=0))
-            od_config.enrich_config()
-            loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
-            with set_forward_context(vllm_config=config, omni_diffusion_config=od_config):
-                model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+            model, loader = load_pipeline(root, "FluxPipeline", config, options, use_hsdp=True,
+                                          hsdp_shard_size=world_size)
             reports = {c.name: c.bytes_read for c in loader._diffusion_hsdp_state["report"].components}
             params = {}
             for component in ("transformer", "text_encoder_2"):

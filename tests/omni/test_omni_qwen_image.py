@@ -18,7 +18,7 @@ import json
 
 import pytest
 import torch
-from omni_support import import_omni
+from omni_support import import_omni, load_pipeline
 
 from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
 
@@ -119,7 +119,8 @@ def test_the_unit_is_idempotent_and_refuses_an_unknown_shape(omni):
         def _normalize_default_diffusion(self, kwargs): ...
 
     with pytest.raises(_patching.UnrecognizedShape, match="no longer a classmethod"):
-        patch_default_stage.apply(types.SimpleNamespace(__name__=patch_default_stage.TARGET, StageConfigFactory=Factory))
+        patch_default_stage.apply(types.SimpleNamespace(__name__=patch_default_stage.TARGET,
+                                                        StageConfigFactory=Factory))
 
 
 def diffusers_merged_dit(folder, lora) -> dict[str, torch.Tensor]:
@@ -136,24 +137,12 @@ def diffusers_merged_dit(folder, lora) -> dict[str, torch.Tensor]:
 
 def test_vllm_omnis_pipeline_builds_the_folder_and_loads_the_kohya_lora_through_our_door(omni_world, qwen_folder,
                                                                                          tmp_path):
-    from vllm.config.load import LoadConfig
-    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.forward_context import set_forward_context
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
-
     from vllm_diffusion_plugin.testing.lora_layouts import write_layout
 
     lora = tmp_path / "kohya.safetensors"
     write_layout("qwen_image", "kohya", lora)
-    fields = extract_diffusion_stage_config_kwargs(dict(
-        model=str(qwen_folder), model_class_name="QwenImagePipeline", dtype="float32", load_format=FLAG,
-        additional_config={"diffusion_hsdp": {"lora_path": [f"transformer={lora}"]}}), stage_id=0)
-    od_config = OmniDiffusionConfig(**fields)
-    od_config.enrich_config()  # the transformer's config.json, as the engine reads it before the workers start
-    loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)  # as the diffusion model runner builds it
-    with set_forward_context(vllm_config=omni_world, omni_diffusion_config=od_config):
-        model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+    model, loader = load_pipeline(qwen_folder, "QwenImagePipeline", omni_world, {"lora_path": [f"transformer={lora}"]})
+    od_config = loader.od_config
     assert type(model).__name__ == "QwenImagePipeline"
     assert type(model.text_encoder).__name__ == "Qwen2_5_VLForConditionalGeneration"
 

@@ -20,32 +20,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_support import FAMILIES, OneDitPipeline, build_family_dit, import_omni, tensor_bytes
+from omni_support import FAMILIES, OneDitPipeline, build_family_dit, import_omni, load_pipeline, tensor_bytes
 
 
 import_omni()  # skips this module where vllm-omni is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import run_distributed  # noqa: E402
 
-FLAG = "diffusion-hsdp"
 DITS = ("transformer", "transformer_2")
 
 
 def load_on_rank(rank: int, world_size: int, root: str, high: str, low: str, strategy: str):
     """One rank of a vllm-omni diffusion worker: its parallel state, then ``load_model`` with our flag."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.config.load import LoadConfig
-    from vllm_omni.config.omni_config import extract_diffusion_stage_config_kwargs
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.distributed import parallel_state
-    from vllm_omni.diffusion.forward_context import set_forward_context
-    from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
     options = {"lora_path": [f"transformer={high}", f"transformer_2={low}@0.5"], "hsdp_weight_load": strategy}
-    fields = extract_diffusion_stage_config_kwargs(dict(
-        model=root, model_class_name="WanPipeline", dtype="float32", load_format=FLAG, use_hsdp=True,
-        hsdp_shard_size=world_size, additional_config={"diffusion_hsdp": options}), stage_id=0)
-    od_config = OmniDiffusionConfig(**fields)
     config = VllmConfig()
     with set_current_vllm_config(config):
         if parallel_state._WORLD is None:
@@ -53,9 +43,7 @@ def load_on_rank(rank: int, world_size: int, root: str, high: str, low: str, str
                                                         distributed_init_method="env://", backend="gloo")
             parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True,
                                                      backend="gloo")
-        loader = DiffusersPipelineLoader(LoadConfig(), od_config=od_config)
-        with set_forward_context(vllm_config=config, omni_diffusion_config=od_config):
-            model = loader.load_model(load_device="cpu", load_format="default", device=torch.device("cpu"))
+        model, loader = load_pipeline(root, "WanPipeline", config, options, use_hsdp=True, hsdp_shard_size=world_size)
     return model, {c.name: c for c in loader._diffusion_hsdp_state["report"].components}
 
 

@@ -1,6 +1,7 @@
 """Z-Image without a server (the omni stage): the tiny runnable folder diffusers runs, and the CPU platform's
 activation kernels (``cpu.patch_activation_ops``; vllm-omni's default diffusion stage keeping the flag is tested
-once, with the Qwen-Image folder, in test_omni_qwen_image.py). The servers themselves: ``tests/serve/test_serve_images.py``.
+once, with the Qwen-Image folder, in test_omni_qwen_image.py). The servers themselves:
+``tests/serve/test_serve_images.py``.
 """
 
 from __future__ import annotations
