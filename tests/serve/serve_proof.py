@@ -7,7 +7,7 @@ bounded waits, stopped by process group) and the load-report lines come from
 ``vllm_diffusion_plugin.testing.servers``, shared with ``benchmarks/bench_serve_startup.py`` and
 ``vllm-diffusion demo --serve``.
 
-Runs in the ``[omni]`` environment (vLLM 0.30 + vllm-omni 0.30) on the CPU through this package's CPU platform
+Runs in an ``[omni]`` environment (vllm-omni 0.30, 0.31rc1 or 0.32rc1, each with its vLLM) on the CPU through this package's CPU platform
 (``VLLM_DIFFUSION_OMNI_CPU=1``); on a GPU host the same servers run on the GPU when that variable is unset.
 """
 
