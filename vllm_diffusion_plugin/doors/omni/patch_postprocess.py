@@ -15,7 +15,8 @@ loader has no vLLM ``ModelConfig``; vLLM attention layers (the only users of it:
 a read-only view carrying vllm-omni's ``od_config.dtype``. Applies to every load format: in vllm-omni 0.30
 the diffusion model runner builds its own ``LoadConfig()``, so a gate on the load format would never open.
 
-Versions. Recognized shape: ``_process_weights_after_loading(self, model, target_device)`` (0.22-0.30).
+Versions. Recognized shape: ``_process_weights_after_loading(self, model, target_device)`` (0.22-0.30; tested
+on 0.30.0, 0.31.0rc1 and 0.32.0rc1).
 Needed by 0.22-0.24 (meta stragglers) and by 0.26-0.30 for online quant on sharded models.
 
 vllm-omni's own tests (``testing/omni_regression.py``). ``test_process_weights_skips_completed_online_quant_layer``
