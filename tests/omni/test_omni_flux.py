@@ -19,7 +19,7 @@ import torch
 from omni_support import captured_logs, import_omni, load_pipeline, tensor_bytes
 
 from vllm_diffusion_plugin.testing.lora_layouts import write_layout
-from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 

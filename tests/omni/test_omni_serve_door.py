@@ -370,7 +370,7 @@ def test_other_families_load_through_our_path_with_a_lora(omni_world, family, tm
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-    from vllm_diffusion_plugin.testing.tiny_models import write_tiny_lora
+    from vllm_diffusion_plugin.tiny.models import write_tiny_lora
 
     _, name, config = FAMILIES[family]
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from omni_support import import_omni
 
-from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS, write_tiny_pipeline
+from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS, write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 

@@ -224,7 +224,7 @@ def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: s
 def run_demo(args: argparse.Namespace) -> dict:
     """Build a tiny Wan2.2-style pipeline (two transformers, several shards each) and one LoRA per
     transformer, then ``load`` it with the LoRAs fused."""
-    from vllm_diffusion_plugin.testing.tiny_models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
+    from vllm_diffusion_plugin.tiny.models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
     with tempfile.TemporaryDirectory(prefix="vllm-diffusion-demo-") as tmp:
         started = time.perf_counter()
