@@ -1,0 +1,48 @@
+"""Every ``vllm serve ... --omni`` command in README.md and docs/ parses with the installed vllm-omni's own
+``vllm serve`` parser, and its ``diffusion_hsdp`` options are ours (the other commands: tests/test_docs_commands.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from omni_support import import_omni
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from docs_commands import all_commands, check_json_options, commands, parse_subcommand  # noqa: E402
+
+import_omni()  # skips this module where vllm-omni is not installed
+
+OMNI = [c for c in all_commands() if c.program == "vllm" and "--omni" in c.argv]
+
+
+def check(command) -> None:
+    from vllm_omni.entrypoints.cli import serve
+    from vllm_omni.utils.tracking_parser import TrackingArgumentParser
+
+    parse_subcommand(serve.cmd_init, TrackingArgumentParser(), command.argv[1:], command.where)
+    check_json_options(command.argv, command.where)
+
+
+def test_the_pages_serve_every_family():
+    served = " ".join(" ".join(c.argv) for c in OMNI)
+    assert all(family in served for family in ("Wan2.2", "FLUX.1", "Qwen-Image", "Z-Image")), served
+
+
+@pytest.mark.parametrize("command", OMNI, ids=[c.where for c in OMNI])
+def test_each_omni_serve_command_parses(command):
+    check(command)
+
+
+@pytest.mark.parametrize("stale", [
+    "vllm serve /models/x --omni --load-format diffusion-hsdp --hsdp-shard-sise 2",
+    "vllm serve /models/x --omni --additional-config '{\"diffusion_hsdp\": {\"hsdp_block_pattern\": \"x\"}}'",
+])
+def test_a_stale_omni_command_fails_the_check(tmp_path, stale):
+    page = tmp_path / "page.md"
+    page.write_text(f"```bash\n{stale}\n```\n")
+    with pytest.raises(AssertionError):
+        for command in commands(page):
+            check(command)
