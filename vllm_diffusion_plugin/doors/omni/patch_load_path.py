@@ -43,6 +43,7 @@ Remove when vllm-omni's loader takes a load format from vLLM's loader registry f
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import time
@@ -141,12 +142,13 @@ def _wrap_load_model(original):
 def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     """Every check that needs no weights; the strategy set on the loader's own copy of ``od_config``."""
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
-    from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, weight_load_strategy
+    from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, read_threads, weight_load_strategy
     from vllm_diffusion_plugin.engine.pipeline import World
     from vllm_diffusion_plugin.engine.report import LoadReport
 
-    options = omni_load_options(loader)
     od_config = loader.od_config
+    options = omni_load_options(loader)
+    options = dataclasses.replace(options, read_threads=read_threads(options, od_config))
     check_supported(options, od_config)
     if load_format not in CARRIED_PIPELINE_FORMATS:
         raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
@@ -166,7 +168,8 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
             setattr(loader.od_config, key, value)
     world = World.current()
     state = {"options": options, "strategy": strategy,
-             "report": LoadReport(rank=world.rank, world_size=world.world_size, strategy=strategy)}
+             "report": LoadReport(rank=world.rank, world_size=world.world_size, strategy=strategy,
+                                   read_threads=options.threads)}
     setattr(loader, STATE_ATTR, state)
     return state
 
@@ -225,7 +228,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
         fuser = load_path.lora_fuser(source, files, dtype=loader.od_config.dtype, strict=options.lora_strict,
                                      chunk_mb=options.lora_device_chunk_mb,
                                      check_finite=options.lora_check_finite)
-        dits.append(load_path.DitSource(name, s.prefix, source, fuser, report))
+        dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads))
         state["report"].components.append(report)
     return dits
 

@@ -7,7 +7,7 @@ unit tests) twice with this interpreter, each in its own pytest process with a j
 plugin disabled (``VLLM_DIFFUSION_PLUGIN=0``), once enabled (``=1``). The checkout provides the tests; the
 vllm-omni that is tested is whichever this interpreter imports (the installed one, or the checkout itself
 when it is installed editable); the report names it. Each run loads the general plugins as a vllm-omni
-diffusion worker does (:mod:`.omni_regression_probe`), so the enabled run has our patches armed before the
+diffusion worker does (:mod:`.regression_probe`), so the enabled run has our patches armed before the
 tests import vllm-omni's loader, and records each patch unit's state: a run in which the plugin was not
 active (enabled) or was active (disabled) is an error, not a pass.
 

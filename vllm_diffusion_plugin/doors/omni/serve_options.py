@@ -120,6 +120,17 @@ def weight_load_strategy(options: Any, od_config: Any) -> str:
     return "full"
 
 
+def read_threads(options: Any, od_config: Any) -> int:
+    """Ours (``read_threads`` in ``diffusion_hsdp`` or ``VLLM_DIFFUSION_READ_THREADS``) when given, else vllm-omni's
+    own reading threads: ``--num-weight-load-threads`` (default 4), 1 with ``enable_multithread_weight_load`` off."""
+    if options.read_threads is not None:
+        return options.read_threads
+    if not _get(od_config, "enable_multithread_weight_load", True):
+        return 1
+    threads = _get(od_config, "num_weight_load_threads", None)
+    return options.threads if threads is None else max(1, int(threads))
+
+
 def refusals(options: Any, od_config: Any) -> list[str]:
     """Every combination of our options with vllm-omni's that this door does not carry (empty: all fine).
 
