@@ -166,3 +166,22 @@ def test_rank_local_reads_the_dits_rows_and_the_t5_source_whole_at_two_ranks(omn
     assert sorted(got) == sorted(want) and any(".to_qkv." in n for n in got)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage, options, want", [
+    ({"enable_multithread_weight_load": False}, {}, 1),
+    ({"num_weight_load_threads": 3}, {}, 3),
+    ({"num_weight_load_threads": 3}, {"read_threads": 2}, 2),
+])
+def test_the_door_reads_with_vllm_omnis_threads_unless_ours_are_set(omni_world, flux, stage, options, want):
+    """vllm-omni's ``--num-weight-load-threads`` / ``enable_multithread_weight_load`` reach our reader (ours win when
+    set), and the weights are the same whatever the thread count."""
+    lora = {"lora_path": [f"transformer={flux.lora}"]}
+    with captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
+        model, _ = load_pipeline(flux.root, "FluxPipeline", omni_world, {**lora, **options}, **stage)
+    reports = [m for m in logs.messages(logging.INFO) if m.startswith("diffusion-hsdp load report: ")]
+    assert reports and all(f" read_threads={want} " in m for m in reports), reports
+    reference, _ = load_pipeline(flux.root, "FluxPipeline", omni_world, {**lora, "read_threads": 1})
+    want_params = dict(reference.transformer.named_parameters())
+    for name, param in model.transformer.named_parameters():
+        assert torch.equal(param, want_params[name]), name
