@@ -14,7 +14,10 @@ import importlib
 import importlib.util
 import json
 import re
+import os
 import shlex
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -160,3 +163,43 @@ def check_json_options(argv: list[str], where: str) -> None:
                 check(value)
             except (ValueError, TypeError) as exc:
                 raise AssertionError(f"{where}: {flag} {value}: {exc}") from None
+
+
+def check_serve(argvs: list[list[str]], *, omni: bool) -> list[str | None]:
+    """Each ``vllm serve ...`` argv parsed by vLLM's (``omni``: vllm-omni's) own ``serve`` subcommand parser and its
+    JSON options checked: ``None`` when fine, else the error. Run in a fresh interpreter (:func:`serve_errors`)."""
+    if omni:
+        from vllm_omni.entrypoints.cli import serve
+        from vllm_omni.utils.tracking_parser import TrackingArgumentParser as Parser
+    else:
+        from vllm.entrypoints.cli import serve
+        from vllm.utils.argparse_utils import FlexibleArgumentParser as Parser
+    errors: list[str | None] = []
+    for argv in argvs:
+        try:
+            parse_subcommand(serve.cmd_init, Parser(), argv[1:], " ".join(argv))
+            check_json_options(argv, " ".join(argv))
+            errors.append(None)
+        except AssertionError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+_SERVE_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from docs_commands import check_serve
+print("RESULT " + json.dumps(check_serve(json.loads(sys.argv[2]), omni=sys.argv[3] == "1")))
+"""
+
+
+def serve_errors(commands: list[Command], *, omni: bool) -> dict[str, str | None]:
+    """:func:`check_serve` for ``commands`` in a fresh interpreter on vLLM's CPU platform: building vLLM's CLI
+    resolves the platform and reconfigures logging, which must not leak into the test process."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", _SERVE_CHECK, str(Path(__file__).parent),
+                           json.dumps([c.argv for c in commands]), "1" if omni else "0"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    return dict(zip((c.where for c in commands), json.loads(line[0].removeprefix("RESULT "))))

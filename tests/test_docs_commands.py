@@ -9,15 +9,19 @@ import importlib
 
 import pytest
 from docs_commands import (
-    ROOT, Command, all_commands, check_json_options, commands, extras, parse_only, parse_subcommand, requested_extras,
-    script_main)
+    ROOT, Command, all_commands, commands, extras, parse_only, requested_extras, script_main, serve_errors)
 
 COMMANDS = all_commands()
 _PYTEST_VALUE_FLAGS = {"-m", "-k", "-p", "-W", "--junitxml", "--rootdir"}
 
 
-def check(command: Command) -> None:
-    """Raise naming ``command.where`` when the command would not parse or names a missing file or extra."""
+def serving(command: Command) -> bool:
+    return command.program == "vllm" and "--omni" not in command.argv  # --omni: tests/omni/test_docs_serve_commands
+
+
+def check(command: Command, serve: dict[str, str | None] | None = None) -> None:
+    """Raise naming ``command.where`` when the command would not parse or names a missing file or extra
+    (``serve``: :func:`docs_commands.serve_errors` of the ``vllm serve`` commands)."""
     argv, where = command.argv, command.where
     program = command.program
     if program == "vllm-diffusion":
@@ -29,13 +33,9 @@ def check(command: Command) -> None:
     elif program == "pip":
         check_pip(argv, where)
     elif program == "vllm":
-        if "--omni" in argv:
-            return  # vllm-omni's parser: tests/omni/test_docs_serve_commands.py
-        from vllm.entrypoints.cli import serve
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-        parse_subcommand(serve.cmd_init, FlexibleArgumentParser(), argv[1:], where)
-        check_json_options(argv, where)
+        if serving(command):
+            error = (serve if serve is not None else serve_errors([command], omni=False))[where]
+            assert error is None, f"{where}: {error}"
     elif program == "curl":
         return  # a request to the server started above
     elif argv[0].startswith(".ci/"):
@@ -74,9 +74,14 @@ def test_the_pages_have_commands():
     assert len(COMMANDS) >= 10 and {c.program for c in COMMANDS} >= {"vllm-diffusion", "vllm", "pip"}, COMMANDS
 
 
+@pytest.fixture(scope="module")
+def serve():
+    return serve_errors([c for c in COMMANDS if serving(c)], omni=False)
+
+
 @pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.where} {c.program}" for c in COMMANDS])
-def test_each_command_parses(command):
-    check(command)
+def test_each_command_parses(command, serve):
+    check(command, serve)
 
 
 @pytest.mark.parametrize("stale", [

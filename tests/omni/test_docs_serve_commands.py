@@ -11,19 +11,21 @@ import pytest
 from omni_support import import_omni
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from docs_commands import all_commands, check_json_options, commands, parse_subcommand  # noqa: E402
+from docs_commands import all_commands, commands, serve_errors  # noqa: E402
 
 import_omni()  # skips this module where vllm-omni is not installed
 
 OMNI = [c for c in all_commands() if c.program == "vllm" and "--omni" in c.argv]
 
 
-def check(command) -> None:
-    from vllm_omni.entrypoints.cli import serve
-    from vllm_omni.utils.tracking_parser import TrackingArgumentParser
+def check(command, errors=None) -> None:
+    error = (errors if errors is not None else serve_errors([command], omni=True))[command.where]
+    assert error is None, f"{command.where}: {error}"
 
-    parse_subcommand(serve.cmd_init, TrackingArgumentParser(), command.argv[1:], command.where)
-    check_json_options(command.argv, command.where)
+
+@pytest.fixture(scope="module")
+def errors():
+    return serve_errors(OMNI, omni=True)
 
 
 def test_the_pages_serve_every_family():
@@ -32,8 +34,8 @@ def test_the_pages_serve_every_family():
 
 
 @pytest.mark.parametrize("command", OMNI, ids=[c.where for c in OMNI])
-def test_each_omni_serve_command_parses(command):
-    check(command)
+def test_each_omni_serve_command_parses(command, errors):
+    check(command, errors)
 
 
 @pytest.mark.parametrize("stale", [
