@@ -10,7 +10,7 @@ processes never ask: 0.31rc1's API server, 0.32rc1's workers of a multi-rank ser
 API server's "carried" line, each worker's ``diffusion-hsdp load report`` -- would be dropped by the root
 logger's WARNING. So each of our loggers, while no handler on its way to the root exists, counts as enabled at
 ``VLLM_LOGGING_LEVEL`` (default INFO), and :class:`FallbackHandler` on our top logger prints the record in vLLM's
-text format to ``VLLM_LOGGING_STREAM`` (stdout by default). As soon as the host configures a handler anywhere on
+text format to stderr (stdout when ``VLLM_LOGGING_STREAM=ext://sys.stdout``: a script's own output stays clean). As soon as the host configures a handler anywhere on
 that way (vLLM's, a ``VLLM_LOGGING_CONFIG_PATH`` file, ``logging.basicConfig``), the host's levels and handlers
 decide alone and the fallback stays silent. No logger but ours is touched.
 """
@@ -56,7 +56,7 @@ class FallbackHandler(logging.Handler):
         if host_configured(logging.getLogger(record.name)):
             return
         try:
-            stream = sys.stderr if os.environ.get("VLLM_LOGGING_STREAM") == "ext://sys.stderr" else sys.stdout
+            stream = sys.stdout if os.environ.get("VLLM_LOGGING_STREAM") == "ext://sys.stdout" else sys.stderr
             stream.write(self.format(record) + "\n")
             stream.flush()
         except Exception:  # noqa: BLE001 - logging must never raise into the caller

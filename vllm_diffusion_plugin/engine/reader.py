@@ -31,8 +31,6 @@ DEFAULT_THREADS = 4
 """Read threads when nothing says otherwise: vllm-omni's own default (``num_weight_load_threads``)."""
 DEFAULT_AHEAD_BYTES = 256 << 20
 """Bytes read ahead of the consumer at most (a single larger job is read alone)."""
-FAULT_CHUNK_BYTES = 16 << 20
-"""A mapped tensor is faulted in by jobs of at most this many bytes (several threads per large tensor)."""
 THREAD_NAME = "diffusion-hsdp-read"
 
 
@@ -68,15 +66,6 @@ def read_ahead(jobs: Iterable[J], read: Callable[[J], R], *, threads: int, nbyte
         finally:
             for _, _, future in pending:
                 future.cancel()
-
-
-def byte_chunks(tensor: torch.Tensor, chunk_bytes: int = FAULT_CHUNK_BYTES) -> list[torch.Tensor]:
-    """A contiguous tensor's bytes as views of at most ``chunk_bytes`` each (one job each: a large tensor is
-    faulted in by several threads at once); ``[tensor]`` for an empty or non-contiguous one."""
-    if tensor.numel() == 0 or not tensor.is_contiguous():
-        return [tensor]
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return list(flat.split(chunk_bytes))
 
 
 def fault_in(tensor: torch.Tensor) -> None:

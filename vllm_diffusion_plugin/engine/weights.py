@@ -163,26 +163,21 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
     plan = [(file, [k for k in source.keys_in(file) if wanted is None or k in wanted]) for file in source.files]
     bar = _progress_bar(source, sum(source.tensors[k].nbytes for _, ks in plan for k in ks), progress)
     parallel = threads > 1 and source.format == "safetensors"
-    tensors = ((file, key, tensor) for file, file_keys in plan
-               for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
-    # one job per chunk of each tensor's bytes (parallel), or per tensor; the last chunk hands the tensor over
-    jobs = ((file, key, tensor, chunk, i == len(chunks) - 1) for file, key, tensor in tensors
-            for chunks in [reader.byte_chunks(tensor) if parallel else [tensor]] for i, chunk in enumerate(chunks))
+    items = ((file, key, tensor) for file, file_keys in plan
+             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
 
-    def read(job: tuple[Path, str, torch.Tensor, torch.Tensor, bool]) -> None:
-        file, key, _, chunk, _ = job
+    def read(item: tuple[Path, str, torch.Tensor]) -> None:  # one thread: the consumer reads as it copies
+        file, key, tensor = item
         if not parallel:
             return
         try:
-            reader.fault_in(chunk)
+            reader.fault_in(tensor)
         except Exception as exc:
             raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
 
     try:
-        for (file, key, tensor, _, last), _ in reader.read_ahead(jobs, read, threads=threads if parallel else 1,
-                                                                  nbytes=lambda job: job[3].nbytes):
-            if not last:
-                continue
+        for (file, key, tensor), _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
+                                                         nbytes=lambda item: item[2].nbytes):
             info = source.tensors[key]
             if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
                 raise CheckpointError(f"{file}: tensor {key!r} is {list(tensor.shape)} {tensor.dtype} but "
