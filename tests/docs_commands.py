@@ -97,6 +97,13 @@ def commands(page: Path) -> Iterator[Command]:
                 words = []
 
 
+def commands_in_block(text: str, folder: Path) -> list[Command]:
+    """The commands of a page (written into ``folder``) holding ``text`` as its one ``bash`` block."""
+    page = folder / "page.md"
+    page.write_text(f"text\n\n```bash\n{text}\n```\n")
+    return list(commands(page))
+
+
 def all_commands() -> list[Command]:
     return [command for page in PAGES for command in commands(page)]
 

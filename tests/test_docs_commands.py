@@ -9,7 +9,8 @@ import importlib
 
 import pytest
 from docs_commands import (
-    ROOT, Command, all_commands, commands, extras, parse_only, requested_extras, script_main, serve_errors)
+    ROOT, Command, all_commands, commands, commands_in_block, extras, parse_only, requested_extras, script_main,
+    serve_errors)
 
 COMMANDS = all_commands()
 _PYTEST_VALUE_FLAGS = {"-m", "-k", "-p", "-W", "--junitxml", "--rootdir"}
@@ -93,10 +94,8 @@ def test_each_command_parses(command, serve):
     "torchrun vllm-diffusion load /models/x",
 ])
 def test_a_stale_command_fails_the_check(tmp_path, stale):
-    page = tmp_path / "page.md"
-    page.write_text(f"text\n\n```bash\n{stale}\n```\n")
     with pytest.raises(AssertionError):
-        for command in commands(page):
+        for command in commands_in_block(stale, tmp_path):
             check(command)
 
 

@@ -11,7 +11,7 @@ import pytest
 from omni_support import import_omni
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from docs_commands import all_commands, commands, serve_errors  # noqa: E402
+from docs_commands import all_commands, commands_in_block, serve_errors  # noqa: E402
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -43,8 +43,6 @@ def test_each_omni_serve_command_parses(command, errors):
     "vllm serve /models/x --omni --additional-config '{\"diffusion_hsdp\": {\"hsdp_block_pattern\": \"x\"}}'",
 ])
 def test_a_stale_omni_command_fails_the_check(tmp_path, stale):
-    page = tmp_path / "page.md"
-    page.write_text(f"```bash\n{stale}\n```\n")
     with pytest.raises(AssertionError):
-        for command in commands(page):
+        for command in commands_in_block(stale, tmp_path):
             check(command)
