@@ -37,7 +37,7 @@ THREAD_NAME = "diffusion-hsdp-read"
 def read_ahead(jobs: Iterable[J], read: Callable[[J], R], *, threads: int, nbytes: Callable[[J], int],
                max_bytes: int = DEFAULT_AHEAD_BYTES) -> Iterator[tuple[J, R]]:
     """``(job, read(job))`` for every job, in job order, with up to ``threads`` reads running ahead of the
-    consumer and at most ``max_bytes`` (by ``nbytes(job)``) of jobs read but not yet handed back.
+    consumer and at most ``max_bytes`` (by ``nbytes(job)``) and ``2 * threads`` jobs read but not yet handed back.
 
     A read's exception is raised to the consumer when it reaches that job; leaving early (an exception in the
     consumer, ``close()``) cancels the reads not started and waits for the running ones, so no thread outlives
