@@ -114,3 +114,22 @@ def test_declared_differences_come_from_the_patch_units_and_name_real_tests():
     assert not declared[0].matches(
         "tests/diffusion/model_loader/test_diffusers_loader.py::test_process_weights_skips_completed_online_quant_layer",
         "AssertionError: Expected 'mock' to be called once. Called 0 times.")  # finalize skipped: a bug, not ours
+
+
+def test_a_run_past_its_timeout_is_a_problem_and_never_reads_an_earlier_runs_report(synthetic_report, tmp_path):
+    """A pytest run stopped by ``--timeout`` writes no junit report: the one an earlier gate run left in the same
+    ``--out`` folder must not stand in for it (found in a real 0.32 gate run), and the stop is named."""
+    earlier = synthetic_report.runs["enabled"]  # a complete run to compare with
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "junit-disabled.xml").write_text('<testsuite><testcase file="tests/x.py" classname="tests.x" '
+                                            'name="test_stale"/></testsuite>')
+    (out / "probe-disabled.json").write_text("{}")
+    hanging = tmp_path / "checkout"
+    (hanging / "tests").mkdir(parents=True)
+    (hanging / "tests" / "test_hang.py").write_text("import time\n\ndef test_hang():\n    time.sleep(60)\n")
+    run = omni_regression.run_pytest(hanging, ["tests/test_hang.py"], enabled=False, workdir=out, timeout=5)
+    assert run.exit_code == -1 and run.outcomes == {} and run.probe is None, run
+    runs = {"disabled": run, "enabled": earlier}
+    assert any("exceeded --timeout" in p for p in compare(runs, []).problems), compare(runs, []).problems
+    assert compare(runs, []).exit_code == 2

@@ -126,6 +126,8 @@ def run_pytest(checkout: Path, tests: list[str], *, enabled: bool, workdir: Path
     name = RUNS[int(enabled)]
     junit, probe, log = (workdir / f"{kind}-{name}.{ext}" for kind, ext in
                          (("junit", "xml"), ("probe", "json"), ("pytest", "log")))
+    for stale in (junit, probe):  # a report left by an earlier run in the same --out must never be read as this one's
+        stale.unlink(missing_ok=True)
     env = dict(os.environ, VLLM_DIFFUSION_PLUGIN="1" if enabled else "0", **{PROBE_ENV: str(probe)})
     command = [sys.executable, "-m", "pytest", *tests, "--rootdir", str(checkout), "-q", "-p", "no:cacheprovider",
                "-p", "vllm_diffusion_plugin.doors.omni.regression_probe", "-o", "junit_family=xunit1",
@@ -195,6 +197,8 @@ def compare(runs: dict[str, Run], declarations: list[Declaration]) -> Report:
     problems = [problem for run in runs.values() for problem in check_activation(run)]
     problems += [f"{run.name} run: no junit report (pytest exit {run.exit_code})"
                  for run in runs.values() if not run.outcomes]
+    problems += [f"{run.name} run: pytest exceeded --timeout and was stopped; its outcomes are incomplete"
+                 for run in runs.values() if run.exit_code == -1]
     off, on = runs["disabled"], runs["enabled"]
     differences, seen = [], set()
     for test_id in sorted(set(off.outcomes) | set(on.outcomes)):

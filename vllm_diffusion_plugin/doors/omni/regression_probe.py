@@ -1,4 +1,4 @@
-"""pytest plugin used by :mod:`.omni_regression` inside each of its pytest runs (``-p`` this module).
+"""pytest plugin used by :mod:`.regression` inside each of its pytest runs (``-p`` this module).
 
 At ``pytest_configure`` it loads the general plugins as a vllm-omni diffusion worker does before it loads a
 model (``vllm_omni.plugins.load_omni_general_plugins``, which runs vLLM's ``load_general_plugins`` and so this
