@@ -276,3 +276,28 @@ def stage(kind: str, folder: Path, *, workdir: Path, bandwidth_mbps: float = 200
                          {"latency_ms": latency_ms, "one_reader_mbps": mbps})
     else:
         raise ValueError(f"unknown storage kind {kind!r}; choose from {', '.join(KINDS)}")
+
+
+def runs_per_kind(kinds: tuple[str, ...], folder: Path, *, run: Callable[[Staged, str], float],
+                  variants: tuple[str, ...], repeats: int, workdir: Path, bandwidth_mbps: float = 200.0,
+                  latency_ms: float = 4.0, log: Callable[[str], None] = print) -> dict[str, dict]:
+    """For each storage kind: stage it, time ``run(staged, variant)`` for every variant ``repeats`` times
+    (round-robin, rotated each round, ``before_run()`` before each), tear it down. A kind this host cannot make
+    is reported as ``{"unavailable": reason}`` and the others still run."""
+    out: dict[str, dict] = {}
+    for kind in kinds:
+        try:
+            with stage(kind, folder, workdir=workdir, bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms) as st:
+                log(f"storage {kind}: {st.note}")
+                times: dict[str, list[float]] = {v: [] for v in variants}
+                for r in range(repeats):
+                    for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
+                        st.before_run()
+                        times[variant].append(run(st, variant))
+                        log(f"  {kind} {variant}: {times[variant][-1]:.2f} s")
+                out[kind] = {"note": st.note, "measured": st.measured, "runs_s": times,
+                             "median_s": {v: sorted(t)[len(t) // 2] for v, t in times.items()}}
+        except Unavailable as err:
+            log(f"storage {kind}: could not make it here: {err}")
+            out[kind] = {"unavailable": str(err)}
+    return out
