@@ -92,9 +92,10 @@ def block_device_of(path: Path) -> str:
     return f"{os.major(dev)}:{os.minor(dev)}"
 
 
-def cgroup_io_mechanism(*, v2_root: Path = CGROUP_V2, v1_blkio: Path = CGROUP_V1_BLKIO) -> tuple[str, Path]:
+def cgroup_io_mechanism(*, v2_root: Path | None = None, v1_blkio: Path | None = None) -> tuple[str, Path]:
     """``("v2", root)`` when cgroup v2 has the io controller, else ``("v1", blkio root)`` when v1 blkio throttling
     is mounted; :class:`Unavailable` naming what is missing otherwise."""
+    v2_root, v1_blkio = v2_root or CGROUP_V2, v1_blkio or CGROUP_V1_BLKIO
     controllers = v2_root / "cgroup.controllers"
     if controllers.is_file() and "io" in controllers.read_text().split():
         return "v2", v2_root
