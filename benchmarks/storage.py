@@ -180,9 +180,10 @@ def loop_copy(folder: Path, *, workdir: Path) -> Iterator[tuple[Path, str]]:
 
 
 @contextlib.contextmanager
-def read_capped_cgroup(device: str, *, rbps: int, name: str, pids: tuple[int, ...] = ()) -> Iterator[Path]:
-    """A cgroup capping reads of ``device`` at ``rbps`` bytes/s holding ``pids`` (default: this process, so every
-    child it starts too); the pids go back to the root cgroup and the cgroup is removed on leaving."""
+def read_capped_cgroup(device: str, *, rbps: int, name: str, pids: tuple[int, ...] | None = None) -> Iterator[Path]:
+    """A cgroup capping reads of ``device`` at ``rbps`` bytes/s holding ``pids`` (None: this process, so every
+    child it starts too; (): none yet, a launcher writes its own pid to ``cgroup.procs``); its pids go back to
+    the root cgroup and the cgroup is removed on leaving."""
     mechanism, root = cgroup_io_mechanism()
     group = root / name
     group.mkdir(exist_ok=True)
@@ -194,7 +195,7 @@ def read_capped_cgroup(device: str, *, rbps: int, name: str, pids: tuple[int, ..
             (group / "io.max").write_text(io_max_line(device, rbps=rbps))
         else:
             (group / "blkio.throttle.read_bps_device").write_text(blkio_read_bps_line(device, rbps=rbps))
-        for pid in pids or (os.getpid(),):
+        for pid in (os.getpid(),) if pids is None else pids:
             (group / "cgroup.procs").write_text(str(pid))
         yield group
 
