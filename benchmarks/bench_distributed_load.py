@@ -108,23 +108,26 @@ def judge(results: dict, total: int, s: int) -> tuple[dict, dict]:
 
 def per_storage(args, folder: Path, total: int) -> dict:
     """``--storage``: the three strategies per storage kind (``benchmarks/storage.py``), ratios within a kind."""
-    from storage import parse_kinds, runs_per_kind
+    from storage import Unavailable, open_storage, parse_kinds
 
-    reports: dict[tuple[str, str], list[dict]] = {}
-
-    def run(staged, strategy: str) -> float:
-        report = checked_run(staged.folder, strategy, args.nproc)
-        reports.setdefault((staged.kind, strategy), []).append(report)
-        return report["wall_s"]
-
-    out = runs_per_kind(parse_kinds(args.storage), folder, run=run, variants=STRATEGIES, repeats=args.repeats,
-                        workdir=args.out_dir, bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms,
-                        log=_log)
-    for kind, res in out.items():
-        if "median_s" in res:
-            results = {st: summarize(reports[(kind, st)]) for st in STRATEGIES}
-            res["strategies"] = results
-            res["ratios"], res["goals"] = judge(results, total, args.nproc)
+    out: dict[str, dict] = {}
+    for kind in parse_kinds(args.storage):
+        try:
+            with open_storage(kind, folder, workdir=args.out_dir, bandwidth_mbps=args.bandwidth_mbps,
+                              latency_ms=args.latency_ms) as st:
+                _log(f"storage {kind}: {st.note or st.path}")
+                results = {}
+                for strategy in STRATEGIES:
+                    runs = []
+                    for _ in range(args.repeats):
+                        st.prepare()
+                        runs.append(checked_run(st.path, strategy, args.nproc))
+                    results[strategy] = summarize(runs)
+                ratios, goals = judge(results, total, args.nproc)
+                out[kind] = {"note": st.note, "strategies": results, "ratios": ratios, "goals": goals}
+        except Unavailable as err:
+            _log(f"storage {kind}: could not make it here: {err}")
+            out[kind] = {"unavailable": str(err)}
     return out
 
 

@@ -175,60 +175,18 @@ def fresh_child(variant: str, folder: Path) -> float:
     return time.perf_counter() - start
 
 
-def fresh_run(variant: str, folder: Path, *, read_threads: int | None = None) -> float:
-    """One ``fresh_child`` in a new process (``VLLM_DIFFUSION_READ_THREADS`` set when ``read_threads`` is)."""
+def fresh_runs(folder: Path, repeats: int) -> dict[str, list[float]]:
     import subprocess
 
-    env = dict(os.environ)
-    if read_threads is not None:
-        env["VLLM_DIFFUSION_READ_THREADS"] = str(read_threads)
-    done = subprocess.run([sys.executable, __file__, "--child", variant, "--out-dir", str(folder)],
-                          capture_output=True, text=True, check=True, env=env)
-    return float(done.stdout.strip().splitlines()[-1])
-
-
-def fresh_runs(folder: Path, repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {v: [] for v in FRESH}
     for r in range(repeats):
         # round-robin, rotated each round: load from other processes hits every variant alike, and no variant
         # always follows the same one (one that just freed 2.6 GB slowed the next one's page faults up to 6x)
         for variant in FRESH[r % len(FRESH):] + FRESH[:r % len(FRESH)]:
-            times[variant].append(fresh_run(variant, folder))
+            done = subprocess.run([sys.executable, __file__, "--child", variant, "--out-dir", str(folder)],
+                                  capture_output=True, text=True, check=True)
+            times[variant].append(float(done.stdout.strip().splitlines()[-1]))
     return times
-
-
-def storage_report(args, folder: Path, total: int) -> dict:
-    """``--storage``: per storage kind, fresh processes read the checkpoint cold (warm for 'warm'): ours as the
-    pipeline loads with ``--read-threads`` 1 and N, and diffusers ``from_pretrained``, every page touched after
-    (what a consumer pays). Goals per kind: ours (N threads) >= 1.0x diffusers' speed; on 'latency' N threads
-    >= 3x one thread's throughput."""
-    from storage import parse_kinds, runs_per_kind
-
-    from vllm_diffusion_plugin import envs
-
-    n = args.read_threads
-    variants = ("ours_t1", f"ours_t{n}", "diffusers") if n != 1 else ("ours_t1", "diffusers")
-
-    def run(staged, variant: str) -> float:
-        if variant == "diffusers":
-            return fresh_run("diffusers_touched", staged.folder)
-        return fresh_run("ours_mapped_touched", staged.folder, read_threads=int(variant.removeprefix("ours_t")))
-
-    per_kind = runs_per_kind(parse_kinds(args.storage), folder, run=run, variants=variants, repeats=args.repeats,
-                             workdir=args.out_dir, bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms,
-                             log=_log)
-    for kind, res in per_kind.items():
-        if "median_s" not in res:
-            continue
-        med = res["median_s"]
-        res["gb_per_s"] = {v: total / 1e9 / t for v, t in med.items()}
-        res["ratios"] = {f"diffusers / ours_t{n} time": med["diffusers"] / med[f"ours_t{n}"],
-                         f"ours_t1 / ours_t{n} time": med["ours_t1"] / med[f"ours_t{n}"]}
-        res["goals"] = {f"ours ({n} threads) >= 1.0x diffusers": res["ratios"][f"diffusers / ours_t{n} time"] >= 1.0}
-        if kind == "latency":
-            res["goals"][f"{n} threads >= 3x 1 thread"] = res["ratios"][f"ours_t1 / ours_t{n} time"] >= 3.0
-    return {"read_threads_option_known": "VLLM_DIFFUSION_READ_THREADS" in envs.ENV_VARS, "read_threads": n,
-            "kinds": per_kind}
 
 
 def main(argv=None) -> dict:
@@ -240,11 +198,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--tiny", action="store_true", help="a 128-wide model of --size-gb (default 0.01 GB)")
     parser.add_argument("--fresh", action="store_true", help="CPU: also build + read in fresh processes (FRESH)")
-    parser.add_argument("--storage", help="warm,cold,throttled,latency (comma list) or all: fresh-process reads "
-                        "per storage kind (benchmarks/storage.py) instead of the in-process measurements")
-    parser.add_argument("--bandwidth-mbps", type=float, default=200.0, help="'throttled' read cap (MB/s)")
-    parser.add_argument("--latency-ms", type=float, default=4.0, help="'latency' delay per read request")
-    parser.add_argument("--read-threads", type=int, default=4, help="--storage: ours with 1 and N read threads")
     parser.add_argument("--child", choices=FRESH, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -266,11 +219,6 @@ def main(argv=None) -> dict:
     source = resolve_component(folder)
     total = source.total_bytes
     _log(f"checkpoint: {folder} ({len(source.files)} shards, {len(source.tensors)} tensors, {total / 1e9:.2f} GB)")
-    if args.storage:
-        report = {"checkpoint": str(folder), "bytes": total, "repeats": args.repeats,
-                  "storage": storage_report(args, folder, total)}
-        print_storage(report) if not args.json else print(json.dumps(report, indent=2))
-        return report
     warm_page_cache(source.files)
 
     def preallocated_runs() -> dict[str, list[float]]:
@@ -341,23 +289,6 @@ def main(argv=None) -> dict:
             print(f"  goal {name:48s} {'PASS' if ok else 'FAIL'}")
         print(f"  peak RSS {report['peak_rss_gb']:.2f} GB")
     return report
-
-
-def print_storage(report: dict) -> None:
-    st = report["storage"]
-    print(f"{report['bytes'] / 1e9:.2f} GB, fresh processes, median of {report['repeats']}; read_threads option "
-          f"known to this tree: {st['read_threads_option_known']}")
-    for kind, res in st["kinds"].items():
-        if "unavailable" in res:
-            print(f"  {kind:9s} could not be made here: {res['unavailable']}")
-            continue
-        print(f"  {kind:9s} ({res['note']})")
-        for v, t in res["median_s"].items():
-            print(f"    {v:12s} {t:7.2f} s  {res['gb_per_s'][v]:6.2f} GB/s")
-        for name, value in res["ratios"].items():
-            print(f"    {name:30s} {value:5.2f}x")
-        for name, ok in res["goals"].items():
-            print(f"    goal {name:36s} {'PASS' if ok else 'FAIL'}")
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import ensure_checkpoint  # noqa: E402  (the shared, cached checkpoint)
-from storage import loop_copy, read_capped_cgroup  # noqa: E402
+from storage import capped_cgroup, loop_copy  # noqa: E402
 
-from vllm_diffusion_plugin.testing.pagecache import evict, files_under  # noqa: E402
+from vllm_diffusion_plugin.tools.pagecache import evict, files_under  # noqa: E402
 
 STRATEGIES = ("full", "broadcast", "rank_local")
 LAYOUTS = {"2x1": (1, ["--hsdp-shard-size", "2"]),
@@ -140,9 +140,9 @@ def main(argv=None) -> dict:
         stack.callback(lambda: target.rmdir())
         copies = []
         for n in range(2):
-            copy, device = stack.enter_context(loop_copy(folder, workdir=args.out_dir))
-            cg = stack.enter_context(read_capped_cgroup(device, rbps=int(args.bandwidth_mbps * 1e6),
-                                                        name=f"vdp-node{n}-{os.getpid()}", pids=()))
+            copy, device = stack.enter_context(loop_copy(folder, args.out_dir / f"node{n}"))
+            cg, _ = stack.enter_context(capped_cgroup(device, int(args.bandwidth_mbps * 1e6),
+                                                      name=f"vdp-node{n}-{os.getpid()}"))
             copies.append((copy, cg))
             _log(f"node {n}: copy on loop device {device}, read cap {args.bandwidth_mbps:.0f} MB/s ({cg})")
         for i, layout in enumerate(layouts):
