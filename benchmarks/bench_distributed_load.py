@@ -15,6 +15,7 @@ broadcast: ranks other than 0 read 0 bytes.
 
     python benchmarks/bench_distributed_load.py [--size-gb 2] [--nproc 2] [--repeats 1]
                                                 [--out-dir /tmp/vllm-diffusion-bench] [--json]
+                                                [--storage warm,cold,throttled,latency|all]
 """
 
 from __future__ import annotations
@@ -75,35 +76,15 @@ def summarize(runs: list[dict]) -> dict:
             "wall_runs_s": [round(r["wall_s"], 2) for r in runs]}
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=2.0)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/vllm-diffusion-bench"))
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+def checked_run(folder: Path, strategy: str, nproc: int) -> dict:
+    report = run_strategy(folder, strategy, nproc)
+    if report["strategy"] != strategy:
+        raise RuntimeError(f"asked for {strategy}, the load reports {report['strategy']}")
+    return report
 
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
 
-    folder = ensure_checkpoint(args.out_dir, args.size_gb)
-    source = resolve_component(folder)
-    total = source.total_bytes
-    _log(f"checkpoint: {folder} ({len(source.files)} shards, {total / 1e9:.2f} GB); {args.nproc} ranks, gloo")
-    warm_page_cache(source.files)
-
-    results = {}
-    for strategy in STRATEGIES:
-        runs = []
-        for i in range(args.repeats):
-            _log(f"  {strategy} run {i + 1}/{args.repeats} ...")
-            runs.append(run_strategy(folder, strategy, args.nproc))
-            if runs[-1]["strategy"] != strategy:
-                raise RuntimeError(f"asked for {strategy}, the load reports {runs[-1]['strategy']}")
-        results[strategy] = summarize(runs)
-
-    s = args.nproc
+def judge(results: dict, total: int, s: int) -> tuple[dict, dict]:
+    """Ratios and goals of the three strategies' summaries (``summarize``) at ``s`` ranks."""
     full, bcast, local = results["full"], results["broadcast"], results["rank_local"]
     max_rss = {name: max(r["peak_rss_bytes"] for r in res["ranks"]) for name, res in results.items()}
     ratios = {
@@ -122,6 +103,71 @@ def main(argv=None) -> dict:
         "rank_local peak RSS per rank <= 0.6 x full's": ratios["rank_local_vs_full_peak_rss_max_rank"] <= 0.6,
         "broadcast: ranks != 0 read 0 bytes": all(r["bytes_read"] == 0 for r in bcast["ranks"] if r["rank"] != 0),
     }
+    return ratios, goals
+
+
+def per_storage(args, folder: Path, total: int) -> dict:
+    """``--storage``: the three strategies per storage kind (``benchmarks/storage.py``), ratios within a kind."""
+    from storage import Unavailable, open_storage, parse_kinds
+
+    out: dict[str, dict] = {}
+    for kind in parse_kinds(args.storage):
+        try:
+            with open_storage(kind, folder, workdir=args.out_dir, bandwidth_mbps=args.bandwidth_mbps,
+                              latency_ms=args.latency_ms) as st:
+                _log(f"storage {kind}: {st.note or st.path}")
+                results = {}
+                for strategy in STRATEGIES:
+                    runs = []
+                    for _ in range(args.repeats):
+                        st.prepare()
+                        runs.append(checked_run(st.path, strategy, args.nproc))
+                    results[strategy] = summarize(runs)
+                ratios, goals = judge(results, total, args.nproc)
+                out[kind] = {"note": st.note, "strategies": results, "ratios": ratios, "goals": goals}
+        except Unavailable as err:
+            _log(f"storage {kind}: could not make it here: {err}")
+            out[kind] = {"unavailable": str(err)}
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/vllm-diffusion-bench"))
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--storage", help="warm,cold,throttled,latency (comma list) or all (benchmarks/storage.py): "
+                        "the strategies per storage kind, one JSON report")
+    parser.add_argument("--bandwidth-mbps", type=float, default=200.0, help="'throttled' read cap (MB/s)")
+    parser.add_argument("--latency-ms", type=float, default=4.0, help="'latency' delay per read request")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+
+    folder = ensure_checkpoint(args.out_dir, args.size_gb)
+    source = resolve_component(folder)
+    total = source.total_bytes
+    _log(f"checkpoint: {folder} ({len(source.files)} shards, {total / 1e9:.2f} GB); {args.nproc} ranks, gloo")
+    if args.storage:
+        report = {"checkpoint": str(folder), "bytes": total, "nproc": args.nproc, "repeats": args.repeats,
+                  "storage": per_storage(args, folder, total)}
+        print(json.dumps(report, indent=2))
+        return report
+    warm_page_cache(source.files)
+
+    results = {}
+    for strategy in STRATEGIES:
+        runs = []
+        for i in range(args.repeats):
+            _log(f"  {strategy} run {i + 1}/{args.repeats} ...")
+            runs.append(checked_run(folder, strategy, args.nproc))
+        results[strategy] = summarize(runs)
+
+    s = args.nproc
+    ratios, goals = judge(results, total, s)
     report = {"checkpoint": str(folder), "bytes": total, "shards": len(source.files), "nproc": s,
               "repeats": args.repeats, "strategies": results, "ratios": ratios, "goals": goals}
     if args.json:

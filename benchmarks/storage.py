@@ -74,7 +74,7 @@ def open_storage(kind: str, folder: Path, *, workdir: Path, bandwidth_mbps: floa
     if kind in ("warm", "cold"):
         yield _with_files(Storage(kind, folder))
     elif kind == "throttled":
-        with _loop_copy(folder, workdir / "throttled") as (path, device):
+        with loop_copy(folder, workdir / "throttled") as (path, device):
             with _read_cap(device, int(bandwidth_mbps * 1e6)) as how:
                 yield _with_files(Storage(kind, path, note=f"{bandwidth_mbps:g} MB/s cap on {device} ({how})"))
     elif kind == "latency":
@@ -97,7 +97,7 @@ def _run(*cmd: str) -> str:
 
 
 @contextlib.contextmanager
-def _loop_copy(folder: Path, where: Path) -> Iterator[tuple[Path, str]]:
+def loop_copy(folder: Path, where: Path) -> Iterator[tuple[Path, str]]:
     """``folder`` copied onto its own ext4 file system on a loop device; yields (copy, 'MAJ:MIN')."""
     if os.geteuid() != 0:
         raise Unavailable("a loop device and a blkio cgroup need root")
@@ -129,26 +129,20 @@ def _loop_copy(folder: Path, where: Path) -> Iterator[tuple[Path, str]]:
 
 
 @contextlib.contextmanager
-def _read_cap(device: str, bytes_per_s: int) -> Iterator[str]:
-    """This process (and the threads and children it starts) in a cgroup capping reads from ``device``."""
-    name = f"vllm-diffusion-bench-{os.getpid()}"
+def capped_cgroup(device: str, bytes_per_s: int, *, name: str) -> Iterator[tuple[Path, str]]:
+    """A new cgroup ``name`` capping reads from ``device``, holding no process yet: yields (its folder, how it caps);
+    a process joins by writing its pid to ``cgroup.procs``. Removed on exit (its processes must have left)."""
     if (CGROUP_V1_BLKIO / "blkio.throttle.read_bps_device").exists():
         group, limit, line, how = (CGROUP_V1_BLKIO / name, "blkio.throttle.read_bps_device",
                                    f"{device} {bytes_per_s}", "cgroup v1 blkio.throttle.read_bps_device")
-        root = CGROUP_V1_BLKIO
     elif (CGROUP_V2 / "cgroup.controllers").exists() and "io" in (CGROUP_V2 / "cgroup.controllers").read_text():
         group, limit, line, how = CGROUP_V2 / name, "io.max", f"{device} rbps={bytes_per_s}", "cgroup v2 io.max"
-        root = CGROUP_V2
     else:
         raise Unavailable("no blkio (cgroup v1) or io (cgroup v2) controller to cap a device's read bandwidth")
     group.mkdir()
     try:
         (group / limit).write_text(line)
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-        try:
-            yield how
-        finally:
-            (root / "cgroup.procs").write_text(str(os.getpid()))
+        yield group, how
     finally:
         for _ in range(50):
             try:
@@ -156,6 +150,17 @@ def _read_cap(device: str, bytes_per_s: int) -> Iterator[str]:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _read_cap(device: str, bytes_per_s: int) -> Iterator[str]:
+    """This process (and the threads and children it starts) in a cgroup capping reads from ``device``."""
+    with capped_cgroup(device, bytes_per_s, name=f"vllm-diffusion-bench-{os.getpid()}") as (group, how):
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield how
+        finally:
+            (group.parent / "cgroup.procs").write_text(str(os.getpid()))
 
 
 FUSE_SERVER = r'''

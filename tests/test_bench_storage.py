@@ -41,3 +41,27 @@ def test_a_latency_store_without_fuse_is_reported_unavailable(tmp_path, monkeypa
     with pytest.raises(storage.Unavailable, match="/dev/fuse"):
         with storage.open_storage("latency", tmp_path, workdir=tmp_path):
             pass
+
+
+def test_a_read_cap_without_a_cgroup_controller_is_reported_unavailable(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "CGROUP_V1_BLKIO", tmp_path / "no-blkio")
+    monkeypatch.setattr(storage, "CGROUP_V2", tmp_path / "no-unified")
+    with pytest.raises(storage.Unavailable, match="no blkio .cgroup v1. or io .cgroup v2. controller"):
+        with storage.capped_cgroup("7:0", 200_000_000, name="never-made"):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_simulated_node_joins_its_cgroup_binds_its_copy_then_runs_torchrun(tmp_path):
+    import bench_nodes
+
+    cmd = bench_nodes.node_command(node=1, nproc=2, port=29600, target=tmp_path / "ckpt", copy=tmp_path / "copy1",
+                                   cgroup=tmp_path / "cg1", log_dir=tmp_path / "logs", strategy="rank_local",
+                                   layout_args=bench_nodes.LAYOUTS["2x2-S4"][1])
+    assert cmd[:5] == ["unshare", "--mount", "--propagation", "private", "sh"]
+    script = cmd[-1]
+    join, bind, run = script.index("cgroup.procs"), script.index("mount --bind"), script.index("torch.distributed.run")
+    assert join < bind < run, script
+    for part in ("--nnodes 2", "--nproc-per-node 2", "--node-rank 1", "--master-port 29600",
+                 "--hsdp-weight-load rank_local", "--hsdp-replicate-size 1 --hsdp-shard-size 4", "--json"):
+        assert part in script, part
