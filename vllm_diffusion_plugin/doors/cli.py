@@ -5,6 +5,7 @@
                             [--device auto|cpu|cuda|npu] [--dtype bfloat16|float16|float32]
                             [--hsdp-weight-load full|broadcast|rank_local] [--save-fused OUT_DIR]
                             [--allow-pickle] [--json] [--verbose]
+    vllm-diffusion plan DIR [the options of load but --save-fused] [--host-memory SIZE] [--device-memory SIZE]
     vllm-diffusion demo [--nproc N] [--json] [--keep DIR] [--verbose]
     vllm-diffusion demo --serve [--nproc 1|2] [--keep DIR]     (the [omni] extra: a real vllm-omni server)
 
@@ -42,6 +43,18 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("checkpoint", help="diffusers pipeline folder, component folder, or hub id (ORG/NAME)")
     _add_load_options(load)
 
+    plan = sub.add_parser("plan", help="say from headers and meta skeletons what each rank of a load would read "
+                                       "and hold, per strategy (reads no weight byte)", formatter_class=formatter)
+    plan.add_argument("checkpoint", help="diffusers pipeline folder or component folder")
+    _add_shared_options(plan)
+    plan.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                      help="where the load would place the modules; auto: this host's accelerator if a probe "
+                           "allocation on it succeeds, else the CPU")
+    plan.add_argument("--host-memory", metavar="SIZE", help="host memory per node (64GiB, 80GB, bytes); "
+                                                            "default: this machine's total RAM")
+    plan.add_argument("--device-memory", metavar="SIZE", help="memory per accelerator; default: the probed "
+                                                              "accelerator's (none on the CPU)")
+
     demo = sub.add_parser("demo", help="build a tiny Wan2.2-style checkpoint + LoRA locally and load it",
                           formatter_class=formatter)
     demo.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (HSDP when > 1)")
@@ -57,6 +70,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
+    _add_shared_options(p)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                   help="where the loaded modules live; auto: this rank's accelerator if a probe allocation "
+                        "on it succeeds, else the CPU")
+    p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
+                   help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
+                        "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
+
+
+def _add_shared_options(p: argparse.ArgumentParser) -> None:
+    """The options ``load`` and ``plan`` share (the same load, run or planned)."""
     p.add_argument("--component", action="append", dest="components", metavar="NAME",
                    help="component to load (repeatable); default: the pipeline's DiTs")
     p.add_argument("--lora", action="append", default=[], metavar="[COMPONENT=]PATH[@SCALE]",
@@ -65,16 +89,10 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
     p.add_argument("--hsdp-shard-size", type=int, default=-1, help="HSDP shard size S (-1: world / R)")
     p.add_argument("--hsdp-replicate-size", type=int, default=1, help="HSDP replicate size R")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
-                   help="where the loaded modules live; auto: this rank's accelerator if a probe allocation "
-                        "on it succeeds, else the CPU")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype of the loaded modules")
     p.add_argument("--hsdp-weight-load", choices=("full", "broadcast", "rank_local"), default=None,
                    help="how ranks get their weights: each reads all (full), rank 0 reads and broadcasts, or each "
                         "reads only its own shard rows (rank_local); unset: VLLM_DIFFUSION_HSDP_WEIGHT_LOAD or full")
-    p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
-                   help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
-                        "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept .bin/.pt weights (read with torch.load(weights_only=True)); unset: "
                         "VLLM_DIFFUSION_ALLOW_PICKLE decides")
@@ -356,6 +374,16 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "demo" and args.serve:
         try:
             return _serve_demo(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if args.command == "plan":
+        from vllm_diffusion_plugin.doors.planning import run_plan
+
+        try:
+            print(run_plan(args, options=_options(args)))
+            return 0
+        except Exception as exc:
+            return _failed(exc, args, interrupted="")
         finally:
             signal.signal(signal.SIGTERM, previous)
     try:
