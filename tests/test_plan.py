@@ -60,7 +60,9 @@ def test_plan_bytes_read_per_rank_equal_the_load_exactly(tiny_wan_dir, wan_loras
     proc = run_cli("load", str(tiny_wan_dir), *wan_loras, *COMMON, "--nproc", str(nproc),
                    "--hsdp-weight-load", strategy, "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    measured = [r["bytes_read"] for r in json.loads(proc.stdout)["ranks"]]
+    ranks = json.loads(proc.stdout)["ranks"]
+    measured = [r["bytes_read"] for r in ranks]
+    assert all(0 < r["baseline_rss_bytes"] <= r["peak_rss_bytes"] for r in ranks), ranks  # RSS before weights
     assert planned_reads(plan, strategy) == measured
     if nproc == 2 and strategy == "rank_local":  # each rank its own rows: about half, not the whole
         whole = planned_reads(plan, "full")[0]
