@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI stage: the serving proof in real vllm-omni servers (tests/serve), in the [omni] environment.
-#   .ci/omni-serve.sh [VENV_DIR]      e.g. .ci/omni-serve.sh .venv-omni (default: the active environment)
+#   .ci/omni-serve.sh [VENV_DIR [PYTEST_ARGS...]]   e.g. .ci/omni-serve.sh .venv-omni (default: the active
+#   environment); PYTEST_ARGS select a part of the proof, e.g. -k "test_serve_images and qwen"
 # Builds tiny pipelines -- Wan2.2 with two LoRAs (test_serve_proof.py); FLUX.1, Qwen-Image and Z-Image with one
 # LoRA each (test_serve_images.py) -- starts `vllm serve DIR --omni` servers one at a time on 127.0.0.1 (the CPU
 # platform of this package on a CPU-only host) and compares their videos / images; then `vllm-diffusion demo
@@ -11,9 +12,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${1:-$(dirname "$(dirname "$(command -v python3)")")}   # default: the active environment
+shift $(( $# > 0 ? 1 : 0 ))
 PYTHON="$VENV/bin/python"
 [ -x "$PYTHON" ] || { echo "omni-serve: $PYTHON not found" >&2; exit 1; }
 [ -x "$VENV/bin/vllm" ] || { echo "omni-serve: $VENV/bin/vllm not found (install .[omni,test])" >&2; exit 1; }
+"$PYTHON" -c 'from importlib.metadata import version as v; print("omni-serve: vllm", v("vllm"), "vllm-omni", v("vllm-omni"))'
+
 TIMEOUT=${OMNI_SERVE_TIMEOUT:-1800}   # seconds for the whole proof (~17 min on a quiet 2-core host)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/omni-serve.XXXXXX")
 start=$(date +%s)
@@ -21,7 +25,7 @@ start=$(date +%s)
 set +e
 VLLM_DIFFUSION_SERVE_PROOF=1 VLLM_DIFFUSION_SERVE_PROOF_DIR="$WORK" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
     timeout --kill-after=60 "$TIMEOUT" "$PYTHON" -m pytest tests/serve -m serve -p no:cacheprovider -rA -s \
-    -W "ignore::DeprecationWarning" --junitxml="$WORK/junit.xml"
+    -W "ignore::DeprecationWarning" --junitxml="$WORK/junit.xml" "$@"
 status=$?
 set -e
 

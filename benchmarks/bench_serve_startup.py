@@ -15,9 +15,9 @@ Settings (``--settings`` picks a subset; every one with the same two LoRAs excep
 
 Each setting runs with a ``warm`` and/or ``cold`` page cache (``--cache``). Cold: before the server starts (none
 is alive then), every file of the checkpoint and the LoRAs gets ``posix_fadvise(POSIX_FADV_DONTNEED)``
-(``testing.pagecache``; ``/proc/sys/vm/drop_caches`` is not used: it drops the whole host's cache); warm: every
+(``tools.pagecache``; ``/proc/sys/vm/drop_caches`` is not used: it drops the whole host's cache); warm: every
 file is read once first. The resident share of those files (``mincore``) is recorded just before each start as
-the evidence. Servers run one at a time (``testing.servers.serve``), the run order rotating by one per repeat.
+the evidence. Servers run one at a time (``tools.servers.serve``), the run order rotating by one per repeat.
 
 Figures per server: ``ready_s`` (launch to ``/health``), ``first_s`` (launch to the first answered video
 request: weights that fault in lazily show here), the workers' load phase (vllm-omni's "Model loading took"
@@ -51,8 +51,8 @@ sys.path.insert(0, str(HERE))
 
 from bench_lora_prepare import CONFIG, write_lora  # noqa: E402
 
-from vllm_diffusion_plugin.testing import pagecache  # noqa: E402
-from vllm_diffusion_plugin.testing import servers as sv  # noqa: E402
+from vllm_diffusion_plugin.tools import pagecache  # noqa: E402
+from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
 
 HSDP2 = ("--use-hsdp", "--hsdp-shard-size", "2")
 STRATEGIES = ("full", "broadcast", "rank_local")
@@ -82,7 +82,7 @@ def _write_pipeline(root: Path, *, blocks: int) -> None:
     import diffusers
     import torch
 
-    from vllm_diffusion_plugin.testing.tiny_models import write_wan_runtime_components
+    from vllm_diffusion_plugin.tiny.models import write_wan_runtime_components
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

@@ -52,7 +52,7 @@ def ensure_demo(out_dir: Path) -> tuple[Path, list[Path]]:
     checkpoint = out_dir / "Wan2.2-tiny"
     loras = [out_dir / f"lora_{name}.safetensors" for name in ("transformer", "transformer_2")]
     if not (checkpoint / "model_index.json").is_file() or not all(p.is_file() for p in loras):
-        from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
+        from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
         write_tiny_pipeline(checkpoint, "wan")
         for seed, path in enumerate(loras):

@@ -1,6 +1,6 @@
 """Shared fixtures: tiny diffusers checkpoints written by diffusers itself (no hub access).
 
-The builders live in ``vllm_diffusion_plugin.testing.tiny_models`` (also used by ``vllm-diffusion demo``);
+The builders live in ``vllm_diffusion_plugin.tiny.models`` (also used by ``vllm-diffusion demo``);
 these fixtures cache what they write per test session.
 
 Session-scoped, read-only by convention (copy before mutating, e.g. with ``copy_checkpoint``):
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS, build_tiny_model, write_tiny_pipeline
+from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS, build_tiny_model, write_tiny_pipeline
 
 __all__ = ["TINY_CONFIGS", "build_tiny_model", "model_inputs", "write_tiny_pipeline"]
 

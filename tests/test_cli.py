@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
 CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_diffusion_plugin.doors import cli
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
 CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
 LOAD = ("--device", "cpu", "--dtype", "float32")

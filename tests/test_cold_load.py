@@ -15,7 +15,7 @@ from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint, resolve_
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
 from vllm_diffusion_plugin.engine.skeleton import build_component
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 from vllm_diffusion_plugin.engine.weights import load_into_module
 
 

@@ -33,7 +33,7 @@ STRATEGIES = ("full", "broadcast", "rank_local")
 def write_uneven_wan(root: Path) -> Path:
     import diffusers
 
-    from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
+    from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
 
     config = {**TINY_CONFIGS["wan"], "ffn_dim": FFN_UNEVEN}
     index = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__, "vae": [None, None],
@@ -491,7 +491,7 @@ def test_shard_local_fusion_takes_the_accelerator_for_host_rows_and_moves_only_t
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
     from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
     from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_local_rows, local_rows
-    from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+    from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
     model = build_tiny_model("wan")
     original = {k: v.clone() for k, v in model.state_dict().items()}

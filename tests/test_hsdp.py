@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vllm_diffusion_plugin.engine.hsdp import BUILTIN_BLOCK_PATTERNS, HSDPConfig, apply_hsdp, build_mesh, select_blocks
 from vllm_diffusion_plugin.engine.postprocess import move_parameter
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model
+from vllm_diffusion_plugin.tiny.models import build_tiny_model
 
 FP8 = torch.float8_e4m3fn
 

@@ -29,7 +29,7 @@ CLASSES = {"wan": "WanTransformer3DModel", "flux": "FluxTransformer2DModel",
 
 
 def inputs_for(kind: str) -> dict:
-    from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
+    from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
 
     gen = torch.Generator().manual_seed(7)
     if kind == "wan":

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_diffusion_plugin.doors import cli
 from vllm_diffusion_plugin.testing.bad_loras import KINDS, write_bad_lora
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
 LOAD = ("--device", "cpu", "--dtype", "float32")
 

@@ -191,7 +191,7 @@ def test_kohya_ambiguity_is_an_error():
 def test_layouts_only_diffusers_converts_need_it_in_one_line(monkeypatch):
     from diffusers import FluxTransformer2DModel
 
-    from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
+    from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
 
     with torch.device("meta"):
         flux = FluxTransformer2DModel(**TINY_CONFIGS["flux"])

@@ -124,7 +124,7 @@ def test_bound_rows_of_several_tensors_fill_one_stacked_target_exactly(tmp_path,
 
     from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.strategies.rank_local import read_bound_rows
-    from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+    from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
     root = write_tiny_pipeline(tmp_path, "wan")
     source = resolve_checkpoint(root, components=["transformer"])[0]

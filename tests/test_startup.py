@@ -27,7 +27,7 @@ print(json.dumps({"code": code, "modules": sorted(m for m in sys.modules if m.st
 
 def test_diffusers_only_cli_load_imports_no_vllm_layers(tiny_wan_dir, tmp_path):
     lora = tmp_path / "lora.safetensors"
-    from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+    from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
     write_tiny_lora(lora, build_tiny_model("wan", seed=3), seed=3)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), *sys.path]))

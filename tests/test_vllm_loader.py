@@ -25,7 +25,7 @@ BAD_LORA_FILES: dict[str, Path] = {}
 
 def write_tiny_llama(root: Path) -> dict[str, Path]:
     """A tiny Llama (transformers), a peft LoRA for it, and the peft-merged checkpoint."""
-    from vllm_diffusion_plugin.testing.tiny_models import add_tiny_llama_lora, build_tiny_llama
+    from vllm_diffusion_plugin.tiny.models import add_tiny_llama_lora, build_tiny_llama
 
     base = build_tiny_llama(vocab_size=256, max_position_embeddings=128)
     base.save_pretrained(root / "base", safe_serialization=True)

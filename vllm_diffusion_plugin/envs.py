@@ -146,6 +146,12 @@ ENV_VARS: dict[str, EnvVar] = {
             _parse_float, extra_config_key="hsdp_broadcast_timeout_s",
         ),
         EnvVar(
+            "VLLM_DIFFUSION_READ_THREADS", "int", 4,
+            "Threads reading checkpoint bytes ahead of the load (1: the loading thread alone); under vllm-omni, "
+            "vllm-omni's own num_weight_load_threads when unset.",
+            _parse_int, extra_config_key="read_threads",
+        ),
+        EnvVar(
             "VLLM_DIFFUSION_ALLOW_PICKLE", "bool", False,
             "Allow .bin/.pt checkpoints (loaded with torch.load(weights_only=True)) when no "
             "safetensors are present.",

@@ -79,7 +79,7 @@ def build_checkpoints(out: Path, *, seed: int = 0, lora_b_std: float = 0.1) -> d
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from vllm_diffusion_plugin.testing.tiny_models import LLAMA_LORA_TARGETS, add_tiny_llama_lora, build_tiny_llama
+    from vllm_diffusion_plugin.tiny.models import LLAMA_LORA_TARGETS, add_tiny_llama_lora, build_tiny_llama
 
     out.mkdir(parents=True, exist_ok=True)
     dirs = {name: out / name for name in ("base", "lora", "merged")}

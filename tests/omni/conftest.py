@@ -19,7 +19,7 @@ import pytest
 from omni_support import import_omni
 
 from vllm_diffusion_plugin.doors.omni import _patching
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
+from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from vllm_diffusion_plugin.testing.logs import captured_logs  # noqa: F401  (re-exported for the omni tests)
-from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
+from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
 
 REQUIRED = os.environ.get("OMNI_TESTS_REQUIRED") == "1"
 

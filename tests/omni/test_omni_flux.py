@@ -19,7 +19,7 @@ import torch
 from omni_support import captured_logs, import_omni, load_pipeline, tensor_bytes
 
 from vllm_diffusion_plugin.testing.lora_layouts import write_layout
-from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -116,6 +116,8 @@ def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm_omni.diffusion.distributed import parallel_state
 
+    from vllm_diffusion_plugin.doors.omni.load_path import component_name
+
     out = {}
     config = VllmConfig()
     with set_current_vllm_config(config):
@@ -127,33 +129,59 @@ def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
             model, loader = load_pipeline(root, "FluxPipeline", config, options, use_hsdp=True,
                                           hsdp_shard_size=world_size)
             reports = {c.name: c.bytes_read for c in loader._diffusion_hsdp_state["report"].components}
+            sources = [component_name(s) for s in loader._get_weight_sources(model)]
             params = {}
-            for component in ("transformer", "text_encoder_2"):
+            for component in sources:
                 for n, p in getattr(model, component).named_parameters():
                     params[f"{component}.{n}"] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
             sharded = all(isinstance(p, DTensor) for p in model.transformer.parameters())
-            out[strategy] = {"bytes": reports, "sharded": sharded, "params": params if rank == 0 else {}}
+            out[strategy] = {"bytes": reports, "sharded": sharded, "params": params if rank == 0 else {},
+                             "sources": sources}
             del model
     return out
 
 
 def test_rank_local_reads_the_dits_rows_and_the_t5_source_whole_at_two_ranks(omni, flux, monkeypatch):
-    """FLUX.1's pipeline reads its T5 encoder through the DiT loader (a second weight source), which vllm-omni
-    does not shard. Before ``rank_local.split_sources``, ``rank_local`` refused this pipeline ("do not match")."""
+    """FLUX.1's pipeline reads its T5 encoder through the DiT loader (a second weight source; from vllm-omni 0.32
+    on its CLIP encoder too), which vllm-omni does not shard. Before ``rank_local.split_sources``, ``rank_local``
+    refused this pipeline ("do not match"). The sources expected are the ones the installed pipeline declares."""
     sys.path.insert(0, str(HERE.parent))
     from dist_utils import run_distributed
 
     monkeypatch.setenv("VLLM_DIFFUSION_OMNI_CPU", "1")  # vllm-omni picks its platform when first imported
     results = run_distributed(flux_rank_worker, 2, args=(str(flux.root), str(flux.lora)), timeout_s=600,
                               start_method="spawn")
-    dit, t5 = tensor_bytes(flux.root / "transformer"), tensor_bytes(flux.root / "text_encoder_2")
+    sources = results[0]["full"]["sources"]
+    assert sources[0] == "transformer" and "text_encoder_2" in sources, sources
+    whole = {name: tensor_bytes(flux.root / name) for name in sources}
+    dit, encoders = whole.pop("transformer"), whole
     local = [r["rank_local"]["bytes"] for r in results]
-    print(f"\n[bytes read] rank_local {local}; full {[r['full']['bytes'] for r in results]} (DiT {dit}, T5 {t5})")
-    assert [r["full"]["bytes"] for r in results] == [{"transformer": dit, "text_encoder_2": t5}] * 2
+    print(f"\n[bytes read] rank_local {local}; full {[r['full']['bytes'] for r in results]} (DiT {dit}, {encoders})")
+    assert [r["full"]["bytes"] for r in results] == [{"transformer": dit, **encoders}] * 2
     assert sum(b["transformer"] for b in local) == dit and max(b["transformer"] for b in local) <= 0.6 * dit
-    assert [b["text_encoder_2"] for b in local] == [t5, t5]  # not sharded: every rank reads it whole
+    for b in local:  # not sharded: every rank reads each encoder whole
+        assert {name: b[name] for name in encoders} == encoders, local
     assert all(r["rank_local"]["sharded"] and r["full"]["sharded"] for r in results)
     want, got = results[0]["full"]["params"], results[0]["rank_local"]["params"]
     assert sorted(got) == sorted(want) and any(".to_qkv." in n for n in got)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage, options, want", [
+    ({"enable_multithread_weight_load": False}, {}, 1),
+    ({"num_weight_load_threads": 3}, {}, 3),
+    ({"num_weight_load_threads": 3}, {"read_threads": 2}, 2),
+])
+def test_the_door_reads_with_vllm_omnis_threads_unless_ours_are_set(omni_world, flux, stage, options, want):
+    """vllm-omni's ``--num-weight-load-threads`` / ``enable_multithread_weight_load`` reach our reader (ours win when
+    set), and the weights are the same whatever the thread count."""
+    lora = {"lora_path": [f"transformer={flux.lora}"]}
+    with captured_logs("vllm_diffusion_plugin.doors.omni.patch_load_path", logging.INFO) as logs:
+        model, _ = load_pipeline(flux.root, "FluxPipeline", omni_world, {**lora, **options}, **stage)
+    reports = [m for m in logs.messages(logging.INFO) if m.startswith("diffusion-hsdp load report: ")]
+    assert reports and all(f" read_threads={want} " in m for m in reports), reports
+    reference, _ = load_pipeline(flux.root, "FluxPipeline", omni_world, {**lora, "read_threads": 1})
+    want_params = dict(reference.transformer.named_parameters())
+    for name, param in model.transformer.named_parameters():
+        assert torch.equal(param, want_params[name]), name

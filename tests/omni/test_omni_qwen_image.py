@@ -20,7 +20,7 @@ import pytest
 import torch
 from omni_support import import_omni, load_pipeline
 
-from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
 import_omni()  # skips this module where vllm-omni is not installed
 

@@ -1,4 +1,4 @@
-"""The regression gate (``testing/omni_regression.py``) on a tiny synthetic vllm-omni "checkout": real pytest
+"""The regression gate (``doors/omni/regression.py``) on a tiny synthetic vllm-omni "checkout": real pytest
 processes over the installed vllm-omni, disabled and enabled, with tests whose outcome our patches change."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from omni_support import import_omni
 
 from vllm_diffusion_plugin.doors.omni import patch_lora_device
-from vllm_diffusion_plugin.testing import omni_regression
-from vllm_diffusion_plugin.testing.omni_regression import Run, compare, render_table, run_regression
+from vllm_diffusion_plugin.doors.omni import regression as omni_regression
+from vllm_diffusion_plugin.doors.omni.regression import Run, compare, render_table, run_regression
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -76,7 +76,7 @@ def test_gate_reports_declared_and_undeclared_differences_and_fails_on_the_undec
 
 
 def test_gate_passes_when_every_difference_is_declared_with_its_failure(synthetic_report):
-    from vllm_diffusion_plugin.testing.omni_regression import Declaration
+    from vllm_diffusion_plugin.doors.omni.regression import Declaration
 
     declared = [Declaration("patch_lora_device", "*::test_changed_*", "both wrapped", "*patched*")]
     report = compare(synthetic_report.runs, declared)

@@ -13,7 +13,7 @@ from vllm.model_executor.model_loader.reload import layerwise
 from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
 from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
 from vllm_diffusion_plugin.testing.online_quant import FP8, TorchFp8OnlineMethod
-from vllm_diffusion_plugin.testing.tiny_models import build_tiny_model, write_tiny_lora
+from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
 import_omni()  # skips this module where vllm-omni is not installed
 
@@ -146,7 +146,7 @@ def test_lora_h2d_failure_falls_back_to_cpu_vllm_omni_own_raises(omni, fake_acce
 
 def test_finalize_runs_for_an_online_method_that_is_vllm_s_only_by_isinstance(omni, monkeypatch):
     """vllm-omni's own ``test_process_weights_skips_completed_online_quant_layer`` (found by the regression gate,
-    ``testing/omni_regression.py``): a quant method that is a ``QuantizeMethodBase`` by ``isinstance`` but has no
+    ``doors/omni/regression.py``): a quant method that is a ``QuantizeMethodBase`` by ``isinstance`` but has no
     vLLM class in its MRO (here a registered virtual subclass) still gets vLLM's finalize, as in vllm-omni's own
     code; the layer it already processed during loading is not processed again."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import inspect
 import logging
+import re
 import sys
 import types
 from pathlib import Path
@@ -26,6 +27,7 @@ from omni_support import FAMILIES, OneDitPipeline, build_family_dit, captured_lo
 from vllm_diffusion_plugin.doors.omni import _patching, patch_serve_flag
 from vllm_diffusion_plugin.doors.omni.serve_options import UNSUPPORTED_KEYS
 from vllm_diffusion_plugin.engine.lora import LoraFormatError
+from vllm_diffusion_plugin.testing import omni_facts
 from vllm_diffusion_plugin.testing.bad_loras import KINDS as ALL_BAD_LORA_KINDS
 from vllm_diffusion_plugin.testing.bad_loras import write_bad_lora
 
@@ -138,6 +140,26 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
                                          "hsdp_weight_load='rank_local'"):
         stage_fields(load_format=FLAG, quantization="fp8",
                      additional_config={"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})
+
+
+@pytest.mark.parametrize("ours, upstream", [({"hsdp_weight_load": "broadcast"}, {}),
+                                             ({}, {"enable_broadcast_weight_load": True})])
+def test_broadcast_with_upstreams_pre_sharded_is_refused_in_one_line_naming_both(omni, ours, upstream):
+    """Either broadcast switch with vllm-omni's ``pre_sharded`` (0.31+) would hand the load to upstream's own
+    pre-sharded path (a crash on stacked q/k/v, a LoRA not fused): refused before any worker starts."""
+    from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, omni_options
+
+    fields = {"hsdp_weight_load_strategy": "pre_sharded", **upstream}
+    named = "hsdp_weight_load='broadcast'" if ours else "vllm-omni's --enable-broadcast-weight-load"
+    match = f"cannot be combined with: {named} together with vllm-omni's --hsdp-weight-load-strategy pre_sharded"
+    with pytest.raises(ValueError, match=re.escape(match)) as caught:
+        check_supported(omni_options({"diffusion_hsdp": ours}), fields)
+    assert "\n" not in str(caught.value)
+    check_supported(omni_options({"diffusion_hsdp": ours}), upstream)  # each alone is fine
+    check_supported(omni_options({}), {"hsdp_weight_load_strategy": "pre_sharded"})
+    if omni_facts.has_pre_sharded():  # vllm-omni 0.31+: through the API server's own projection of the stage
+        with pytest.raises(ValueError, match=re.escape(match)):
+            stage_fields(load_format=FLAG, additional_config={"diffusion_hsdp": ours}, **fields)
 
 
 def test_vllm_omnis_broadcast_switch_maps_onto_our_strategy(omni):
@@ -348,7 +370,7 @@ def test_other_families_load_through_our_path_with_a_lora(omni_world, family, tm
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
-    from vllm_diffusion_plugin.testing.tiny_models import write_tiny_lora
+    from vllm_diffusion_plugin.tiny.models import write_tiny_lora
 
     _, name, config = FAMILIES[family]
     torch.manual_seed(0)

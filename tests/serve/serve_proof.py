@@ -1,13 +1,13 @@
 """The serving proof's machinery: a tiny Wan2.2 pipeline with two LoRAs and its diffusers-merged twin
-(``vllm_diffusion_plugin.testing.serve_checkpoints``, shared with ``vllm-diffusion demo --serve``), the video
+(``vllm_diffusion_plugin.tiny.serve_checkpoints``, shared with ``vllm-diffusion demo --serve``), the video
 the servers return decoded to frames, and frame distances; for the image families (``test_serve_images.py``)
 one :class:`ImageCase` each, the folder diffusers merged (:func:`merge_with_diffusers`) and :class:`ImageProof`
 (checkpoints, servers, distances, bytes per rank, summary). The servers themselves (one at a time, loopback,
 bounded waits, stopped by process group) and the load-report lines come from
-``vllm_diffusion_plugin.testing.servers``, shared with ``benchmarks/bench_serve_startup.py`` and
+``vllm_diffusion_plugin.tools.servers``, shared with ``benchmarks/bench_serve_startup.py`` and
 ``vllm-diffusion demo --serve``.
 
-Runs in the ``[omni]`` environment (vLLM 0.30 + vllm-omni 0.30) on the CPU through this package's CPU platform
+Runs in an ``[omni]`` environment (vllm-omni 0.30, 0.31rc1 or 0.32rc1, each with its vLLM) on the CPU through this package's CPU platform
 (``VLLM_DIFFUSION_OMNI_CPU=1``); on a GPU host the same servers run on the GPU when that variable is unset.
 """
 
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from vllm_diffusion_plugin.testing.servers import (  # noqa: F401  (the proof's tests use them as sp.*)
+from vllm_diffusion_plugin.tools.servers import (  # noqa: F401  (the proof's tests use them as sp.*)
     REPORT_PREFIX, VIDEO_FORM, ServerError, ServerRun, ServerSpec, bytes_per_rank, load_reports, refused_start,
     request_image, request_video, serve)
-from vllm_diffusion_plugin.testing.serve_checkpoints import (  # noqa: F401  (moved there; shared with the demo)
+from vllm_diffusion_plugin.tiny.serve_checkpoints import (  # noqa: F401  (moved there; shared with the demo)
     LORA_ALPHA, LORA_RANK, Checkpoints, build_checkpoints, save_fused_dit)
 
 ENABLED = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF", "").strip().lower() in ("1", "true", "yes", "on")
@@ -156,7 +156,7 @@ class ImageProof:
 
     def __init__(self, case: ImageCase, root: Path) -> None:
         from vllm_diffusion_plugin.testing.lora_layouts import write_layout
-        from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+        from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
         self.t0 = time.monotonic()
         self.case, self.root = case, root

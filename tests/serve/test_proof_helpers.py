@@ -1,6 +1,6 @@
 """The serving proof's log parsing, without servers: it reads exactly the line our load path writes."""
 
-from vllm_diffusion_plugin.testing import servers as sp
+from vllm_diffusion_plugin.tools import servers as sp
 
 from vllm_diffusion_plugin.engine import report as engine_report
 

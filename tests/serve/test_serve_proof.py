@@ -38,9 +38,12 @@ from pathlib import Path
 import pytest
 import serve_proof as sp
 
+from vllm_diffusion_plugin.testing import omni_facts
+
 CPU, READY_TIMEOUT_S = sp.CPU, sp.READY_TIMEOUT_S
 MAX_MEAN_ABS, MAX_ABS, CONTROL_FACTOR = 0.5, 8, 10.0
 STRATEGIES = ("full", "broadcast", "rank_local")
+CARRIED = "carried to vllm-omni's diffusion workers"
 """The weight-load strategies, each served at 2 ranks."""
 
 pytestmark = [
@@ -127,7 +130,14 @@ def test_ours_serves_the_merged_video(proof):
     proof.summary["bytes_per_rank"]["1 rank"] = sp.bytes_per_rank(reports)
     assert {r.get("component") for r in reports} >= {"transformer", "transformer_2"}, (
         f"no load report of our load path for both DiTs in {run.log}: the flag did not reach our loader")
+    assert_carried_line(run)
     assert_close_to_reference(proof, "ours", run.videos[0])
+
+
+def assert_carried_line(run: sp.ServerRun) -> None:
+    """The API server's INFO line saying the flag went to the workers: printed whatever the host configured
+    (vllm-omni 0.31rc1's API server configures no logging)."""
+    assert CARRIED in run.log_text(), f"no '{CARRIED}' line of the API server in {run.log}"
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -142,6 +152,7 @@ def test_ours_two_ranks_hsdp(proof, strategy):
     print(f"\n[bytes] {strategy}: {per_rank} (DiT tensors {proof.summary['dit_bytes']} bytes)", flush=True)
     assert sorted(per_rank) == [0, 1], f"load reports of ranks {sorted(per_rank)} in {run.log}, wanted 0 and 1"
     assert {r.get("strategy") for r in reports} == {strategy}, reports
+    assert_carried_line(run)
     total = proof.summary["dit_bytes"]  # tensor bytes of both DiTs
     if strategy == "full":
         assert per_rank == {0: total, 1: total}, per_rank
@@ -160,6 +171,22 @@ def test_bad_option_key_refuses_to_start(proof):
     print(f"\n[bad-key] exit status {status} after {seconds:.1f} s", flush=True)
     assert status != 0
     assert "lora_pathz" in log, f"the refusal does not name the bad key; log {proof.logs / 'bad-key.log'}"
+
+
+@pytest.mark.skipif(not omni_facts.has_pre_sharded(), reason="vllm-omni 0.30 has no --hsdp-weight-load-strategy")
+def test_broadcast_with_upstreams_pre_sharded_refuses_to_start(proof):
+    """Our ``broadcast`` with vllm-omni's ``--hsdp-weight-load-strategy pre_sharded`` (0.31+) would hand the load
+    to upstream's pre-sharded path (no LoRA, no stacked q/k/v): the server stops at startup, naming both."""
+    status, log, seconds = sp.refused_start(sp.ServerSpec("broadcast-pre-sharded", proof.ckpt.original, plugin=True,
+                                                          args=("--load-format", "diffusion-hsdp", "--use-hsdp",
+                                                                "--hsdp-shard-size", "2", "--hsdp-weight-load-strategy",
+                                                                "pre_sharded", "--additional-config",
+                                                                proof.ours_config(hsdp_weight_load="broadcast"))),
+                                            proof.logs, cpu=CPU)
+    proof.summary["servers"]["broadcast-pre-sharded"] = {"exit_status": status, "refused_after_s": round(seconds, 1)}
+    assert status != 0
+    assert "hsdp_weight_load='broadcast' together with vllm-omni's --hsdp-weight-load-strategy pre_sharded" in log, \
+        f"the refusal does not name both options; log {proof.logs / 'broadcast-pre-sharded.log'}"
 
 
 def test_the_flag_in_a_config_file_is_honoured_too(proof):

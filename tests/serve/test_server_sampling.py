@@ -1,6 +1,6 @@
 """The benchmark's measuring parts without a server: per-process peak RSS and read bytes of a real process group
-(``testing.process_stats``), page-cache eviction and residency of a real file (``testing.pagecache``), and
-vllm-omni's own load-time lines as its workers write them (``testing.servers.worker_load_times``)."""
+(``tools.process_stats``), page-cache eviction and residency of a real file (``tools.pagecache``), and
+vllm-omni's own load-time lines as its workers write them (``tools.servers.worker_load_times``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from vllm_diffusion_plugin.testing import pagecache
-from vllm_diffusion_plugin.testing import process_stats as ps
-from vllm_diffusion_plugin.testing import servers as sv
+from vllm_diffusion_plugin.tools import pagecache
+from vllm_diffusion_plugin.tools import process_stats as ps
+from vllm_diffusion_plugin.tools import servers as sv
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and mincore are Linux's")
 

@@ -3,7 +3,8 @@
     vllm-diffusion load DIR [--component NAME]... [--lora [COMPONENT=]PATH[@SCALE]]... [--lora-scale F]
                             [--nproc N] [--hsdp-shard-size S] [--hsdp-replicate-size R]
                             [--device auto|cpu|cuda|npu] [--dtype bfloat16|float16|float32]
-                            [--hsdp-weight-load full|broadcast|rank_local] [--save-fused OUT_DIR]
+                            [--hsdp-weight-load full|broadcast|rank_local] [--read-threads N]
+                            [--save-fused OUT_DIR]
                             [--allow-pickle] [--json] [--verbose]
     vllm-diffusion plan DIR [the options of load but --save-fused] [--host-memory SIZE] [--device-memory SIZE]
     vllm-diffusion demo [--nproc N] [--json] [--keep DIR] [--verbose]
@@ -93,6 +94,9 @@ def _add_shared_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hsdp-weight-load", choices=("full", "broadcast", "rank_local"), default=None,
                    help="how ranks get their weights: each reads all (full), rank 0 reads and broadcasts, or each "
                         "reads only its own shard rows (rank_local); unset: VLLM_DIFFUSION_HSDP_WEIGHT_LOAD or full")
+    p.add_argument("--read-threads", type=int, default=None, metavar="N",
+                   help="threads reading checkpoint bytes ahead of the load (1: one); unset: "
+                        "VLLM_DIFFUSION_READ_THREADS or 4")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept .bin/.pt weights (read with torch.load(weights_only=True)); unset: "
                         "VLLM_DIFFUSION_ALLOW_PICKLE decides")
@@ -117,6 +121,8 @@ def _options(args: argparse.Namespace):
         extra["allow_pickle"] = True
     if args.hsdp_weight_load is not None:
         extra["hsdp_weight_load"] = args.hsdp_weight_load
+    if args.read_threads is not None:
+        extra["read_threads"] = args.read_threads
     return LoadOptions.from_extra_config(extra)
 
 
@@ -242,7 +248,7 @@ def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: s
 def run_demo(args: argparse.Namespace) -> dict:
     """Build a tiny Wan2.2-style pipeline (two transformers, several shards each) and one LoRA per
     transformer, then ``load`` it with the LoRAs fused."""
-    from vllm_diffusion_plugin.testing.tiny_models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
+    from vllm_diffusion_plugin.tiny.models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
     with tempfile.TemporaryDirectory(prefix="vllm-diffusion-demo-") as tmp:
         started = time.perf_counter()

@@ -1,8 +1,8 @@
 """``vllm-diffusion demo --serve``: the project's main job on a tiny default -- ``vllm serve DIR --omni
 --load-format diffusion-hsdp`` with one LoRA per transformer, one video request, the video written, stopped.
 
-Writes the tiny runnable Wan2.2 pipeline and its two LoRAs (``testing.serve_checkpoints``, the serving proof's),
-starts the server on 127.0.0.1 through ``testing.servers`` (the benchmark's and the proof's server code: own
+Writes the tiny runnable Wan2.2 pipeline and its two LoRAs (``tiny.serve_checkpoints``, the serving proof's),
+starts the server on 127.0.0.1 through ``tools.servers`` (the benchmark's and the proof's server code: own
 process group, bounded waits, the whole group stopped at the end and on Ctrl-C / SIGTERM), on this package's CPU
 platform where CUDA is not available, sends the video request and writes the mp4 into the working folder.
 Prints the ready time, the workers' load report lines as a table, and the video's path. Needs the ``[omni]``
@@ -46,8 +46,8 @@ def run(*, nproc: int = 1, keep: Path | None = None, out_dir: Path | None = None
     check_omni()
     import torch
 
-    from vllm_diffusion_plugin.testing import servers
-    from vllm_diffusion_plugin.testing.serve_checkpoints import build_checkpoints
+    from vllm_diffusion_plugin.tools import servers
+    from vllm_diffusion_plugin.tiny.serve_checkpoints import build_checkpoints
 
     if nproc not in (1, 2):
         raise ValueError(f"demo --serve runs 1 or 2 ranks, got --nproc {nproc}")

@@ -70,7 +70,8 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
 
         source = self._source(model_config)
         loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
-        result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected)
+        result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
+                                  threads=self.options.threads)
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
                     result.bytes_read / 1e6, source.folder, result.seconds)
         if loras is not None:
@@ -94,7 +95,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                 f"tensors into parameters. Restart with the new weights instead")
         from vllm_diffusion_plugin.engine.weights import iterate_weights
 
-        return iterate_weights(self._source(model_config))
+        return iterate_weights(self._source(model_config), threads=self.options.threads)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         from vllm.utils.torch_utils import set_default_torch_dtype

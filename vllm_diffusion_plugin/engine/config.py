@@ -48,6 +48,10 @@ class LoadOptions:
     """Upper bound (MiB) on one broadcast bucket (``broadcast``); tensors are sent in single-dtype buckets."""
     hsdp_broadcast_timeout_s: float = 300.0
     """Seconds any rank waits for one broadcast collective before failing (a peer died or stalled)."""
+    read_threads: int | None = None
+    """Threads reading checkpoint bytes ahead of the load, results in checkpoint order (``engine.reader``);
+    1 reads on the loading thread alone. Unset: 4 (:attr:`threads`), except behind vllm-omni's door, which
+    takes vllm-omni's own ``num_weight_load_threads`` (1 with ``enable_multithread_weight_load`` off)."""
     allow_pickle: bool = False
     """Accept .bin/.pt checkpoints (``torch.load(weights_only=True)``) when no safetensors exist."""
     strict_unexpected: bool = False
@@ -83,6 +87,13 @@ class LoadOptions:
         options.validate()
         return options
 
+    @property
+    def threads(self) -> int:
+        """``read_threads``, or the default (vllm-omni's: 4) when unset."""
+        from vllm_diffusion_plugin.engine.reader import DEFAULT_THREADS
+
+        return DEFAULT_THREADS if self.read_threads is None else self.read_threads
+
     def validate(self) -> None:
         if self.lora_device_chunk_mb <= 0:
             raise ValueError(f"lora_device_chunk_mb must be positive, got {self.lora_device_chunk_mb}")
@@ -95,6 +106,8 @@ class LoadOptions:
                              f"got {self.hsdp_weight_load!r}")
         if self.hsdp_broadcast_bucket_mb <= 0:
             raise ValueError(f"hsdp_broadcast_bucket_mb must be positive, got {self.hsdp_broadcast_bucket_mb}")
+        if self.read_threads is not None and self.read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
         if not self.hsdp_broadcast_timeout_s > 0:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
@@ -110,6 +123,7 @@ _TYPE_NAMES = {
     "float": "a number",
     "bool": "a boolean",
     "int": "an integer",
+    "int | None": "an integer",
     "str | None": "a string",
     "str": "a string",
 }
@@ -130,7 +144,7 @@ def _coerce(key: str, value: Any, type_name: str, origin: str) -> Any:
         if isinstance(value, bool):
             return value
         raise bad()
-    if type_name == "int":
+    if type_name in ("int", "int | None"):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise bad()

@@ -178,7 +178,7 @@ def load_components(
 
     world = World.current()
     report = LoadReport(rank=world.rank, world_size=world.world_size, device=str(device),
-                        dtype=str(dtype).removeprefix("torch."))
+                        dtype=str(dtype).removeprefix("torch."), read_threads=options.threads)
     report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
     with report.phase("total"):
         # ---- validate everything before the first byte of weights is read

@@ -87,6 +87,8 @@ class LoadReport:
     dtype: str = "float32"
     strategy: str = "full"
     """The ``hsdp_weight_load`` strategy used: full, broadcast or rank_local."""
+    read_threads: int = 1
+    """Threads that read the checkpoint bytes (``engine.reader``)."""
     seconds: dict[str, float] = field(default_factory=dict)
     components: list[ComponentReport] = field(default_factory=list)
     peak_rss_bytes: int = 0
@@ -125,7 +127,8 @@ class LoadReport:
 def report_line(report: LoadReport, component: ComponentReport) -> str:
     """One component on one rank as one parseable line: ``REPORT_PREFIX`` then ``key=value`` pairs."""
     return (f"{REPORT_PREFIX} component={component.name} rank={report.rank} world_size={report.world_size} "
-            f"strategy={report.strategy} bytes_read={component.bytes_read} tensors={component.tensors} "
+            f"strategy={report.strategy} read_threads={report.read_threads} bytes_read={component.bytes_read} "
+            f"tensors={component.tensors} "
             f"read_s={component.read_s:.3f} lora_s={component.lora_s:.3f} lora_files={component.lora_files} "
             f"lora_targets={component.lora_keys_fused} lora_device={component.lora_compute_device or '-'} "
             f"lora_fallbacks={component.lora_fallbacks}")

@@ -142,35 +142,52 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
 
 
 def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, keys: Collection[str] | None = None,
-                    progress: bool | None = None, map_private: bool = False) -> WeightStream:
+                    progress: bool | None = None, map_private: bool = False, threads: int = 1) -> WeightStream:
     """Yield ``(name, cpu_tensor)`` for every tensor of ``source`` (or only ``keys``), deterministically.
 
     ``stats`` (optional) accumulates bytes per file. A progress bar over bytes is shown on rank 0 when
     stderr is a terminal and the component is > 1 GiB, or when ``progress=True``; ``progress=False``
     never shows one. A tensor whose file changed since it was resolved raises ``CheckpointError``.
     ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``_mapped_file``).
+    ``threads`` > 1: safetensors tensors are mapped and faulted in by that many threads ahead of the consumer
+    (``reader.read_ahead``), still yielded in the same order; stats and the bar count a tensor when it is yielded.
     """
-    return WeightStream(source, _generate(source, stats, keys, progress, map_private))
+    return WeightStream(source, _generate(source, stats, keys, progress, map_private, threads))
 
 
 def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
-              progress: bool | None, map_private: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+              progress: bool | None, map_private: bool = False, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    from vllm_diffusion_plugin.engine import reader
+
     wanted = None if keys is None else set(keys)
     plan = [(file, [k for k in source.keys_in(file) if wanted is None or k in wanted]) for file in source.files]
     bar = _progress_bar(source, sum(source.tensors[k].nbytes for _, ks in plan for k in ks), progress)
+    parallel = threads > 1 and source.format == "safetensors"
+    items = ((file, key, tensor) for file, file_keys in plan
+             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
+
+    def read(item: tuple[Path, str, torch.Tensor]) -> None:  # one thread: the consumer reads as it copies
+        file, key, tensor = item
+        if not parallel:
+            return
+        try:
+            reader.fault_in(tensor)
+        except Exception as exc:
+            raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
+
     try:
-        for file, file_keys in plan:
-            for key, tensor in _iter_file(source, file, file_keys, map_private):
-                info = source.tensors[key]
-                if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
-                    raise CheckpointError(f"{file}: tensor {key!r} is {list(tensor.shape)} {tensor.dtype} but "
-                                          f"its header said {list(info.shape)} {info.dtype}; file changed?")
-                nbytes = tensor.numel() * tensor.element_size()
-                if stats is not None:
-                    stats.add(file, nbytes)
-                if bar is not None:
-                    bar.update(nbytes)
-                yield key, tensor
+        for (file, key, tensor), _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
+                                                         nbytes=lambda item: item[2].nbytes):
+            info = source.tensors[key]
+            if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
+                raise CheckpointError(f"{file}: tensor {key!r} is {list(tensor.shape)} {tensor.dtype} but "
+                                      f"its header said {list(info.shape)} {info.dtype}; file changed?")
+            nbytes = tensor.numel() * tensor.element_size()
+            if stats is not None:
+                stats.add(file, nbytes)
+            if bar is not None:
+                bar.update(nbytes)
+            yield key, tensor
     finally:
         if bar is not None:
             bar.close()
@@ -248,7 +265,7 @@ def validate_headers(module: nn.Module, targets: Mapping[str, torch.Tensor], ten
 
 def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                      source: ComponentSource | None = None, strict_unexpected: bool = False,
-                     progress: bool | None = None, map_private: bool = False) -> LoadResult:
+                     progress: bool | None = None, map_private: bool = False, threads: int = 1) -> LoadResult:
     """Load ``weights`` (default: ``iterate_weights(source)``) into ``module`` and check completeness.
 
     A module with its own ``load_weights(iterable) -> set[str] | None`` (vLLM models) gets the iterable;
@@ -266,6 +283,8 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     storage, never touched, is freed). Untouched weights then cost neither a copy nor fresh memory (first
     touch of fresh host memory runs at 0.3-0.7 GB/s on these hosts); in-place writes (LoRA fusion) copy
     only the pages they touch and never reach the file. All checks run as without it.
+
+    ``threads`` (with ``source``): read with that many threads ahead (``iterate_weights``); same result.
     """
     if weights is None and source is None:
         raise TypeError("load_into_module needs weights or source")
@@ -277,7 +296,7 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     files = named_by.files if named_by is not None else ()
 
     if callable(own_loader):
-        stream = weights if weights is not None else iterate_weights(source, progress=progress)
+        stream = weights if weights is not None else iterate_weights(source, progress=progress, threads=threads)
         loaded = own_loader(_counted(stream, stats, named_by))
         unexpected: tuple[str, ...] = ()
         if loaded is None:
@@ -295,7 +314,7 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
                              origin=origin)
         stream = weights if weights is not None else iterate_weights(
             source, keys=[k for k in source.tensors if k in targets], progress=progress,
-            map_private=map_private)
+            map_private=map_private, threads=threads)
         loaded, unexpected = _copy_all(targets, _counted(stream, stats, named_by), strict_unexpected, origin,
                                        named_by, assign=map_private and weights is None)
         unexpected += tuple(k for k in (source.tensors if source is not None and weights is None else ())

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vllm_diffusion_plugin.testing.tiny_models import TINY_CONFIGS
+from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
 
 __all__ = ["FAMILIES", "FLUX_TOP_LEVEL_DIFFUSERS", "LAYOUTS", "build_model", "write_layout"]
 

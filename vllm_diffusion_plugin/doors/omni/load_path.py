@@ -108,6 +108,8 @@ class DitSource:
     source: Any
     fuser: StreamFuser | None
     report: ComponentReport
+    threads: int = 1
+    """Threads reading its bytes (``engine.reader``)."""
 
 
 def component_name(omni_source: Any) -> str:
@@ -134,7 +136,7 @@ def stream(dits: Iterable[DitSource]) -> Iterator[tuple[str, torch.Tensor]]:
 
     for dit in dits:
         stats, start = LoadStats(), time.perf_counter()
-        for name, tensor in iterate_weights(dit.source, stats=stats):
+        for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads):
             if dit.fuser is not None:
                 tensor = dit.fuser(name, tensor)
             yield dit.prefix + name, tensor

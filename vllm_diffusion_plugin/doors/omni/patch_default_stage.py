@@ -15,7 +15,8 @@ arguments hold it (``stage_0_load_format``) as a deploy YAML's would, and ``patc
 carries it to the workers. Any other load format is left as vllm-omni drops it (nothing changes for it).
 
 Versions. Recognized shape: the classmethod ``_normalize_default_diffusion(cls, kwargs)`` returning
-``(engine_args: dict, parallel_config, default_sampling_params, final_output_type)`` (0.30).
+``(engine_args: dict, parallel_config, default_sampling_params, final_output_type)`` (tested on 0.30.0, 0.31.0rc1 and
+0.32.0rc1).
 Unrecognized with the flag on the command line: the server stops at startup (``_patching``).
 
 Remove when vllm-omni's default diffusion stage keeps the load format (or ``OmniDiffusionConfig`` declares it).

@@ -24,7 +24,8 @@ Options: ``--additional-config '{"diffusion_hsdp": {...}}'`` under ``vllm serve 
 Versions. Every vllm-omni release checked needs it (0.22, 0.24, 0.26, 0.28 and 0.30 reject other load
 formats). Recognized shape: ``__init__(self, load_config, od_config)``, ``_prepare_weights(self,
 model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides)``, ``load_model(self,
-load_device, load_format, custom_pipeline_name, device)`` and ``_load_model_with_hsdp`` (0.24-0.30).
+load_device, load_format, custom_pipeline_name, device)`` and ``_load_model_with_hsdp`` (0.24-0.30; tested
+on 0.30.0, 0.31.0rc1 and 0.32.0rc1).
 0.22's ``load_model(self, od_config, ...)`` is not recognized: skipped with a warning.
 
 Remove when vllm-omni accepts plugin load formats (e.g. by asking vLLM's loader registry) and takes HSDP

@@ -31,7 +31,11 @@ Post-load processing (``patch_postprocess``) and HSDP sharding (vllm-omni's ``ap
 Versions. Recognized shape: ``__init__(self, load_config, od_config)``, ``load_model(self, load_device,
 load_format, custom_pipeline_name, device)``, ``load_weights(self, model, *, stream_online_quant_to_cpu,
 sources, planned_weights)``, ``_get_weight_sources``, ``_get_expected_parameter_names``,
-``_get_checkpoint_adapter`` (0.30).
+``_get_checkpoint_adapter`` (tested on 0.30.0, 0.31.0rc1 and 0.32.0rc1). From 0.31 on, vllm-omni's own
+``_load_model_with_hsdp`` first branches to its ``pre_sharded`` load (``--hsdp-weight-load-strategy``; no LoRA, no
+stacked q/k/v): under our load format that option means our ``rank_local`` (``serve_options.weight_load_strategy``),
+its combination with a broadcast switch is refused at startup (``serve_options.refusals``), and the loader's copy of
+``od_config`` never hands a load to it.
 
 Remove when vllm-omni's loader takes a load format from vLLM's loader registry for its DiT sources.
 """
@@ -39,6 +43,7 @@ Remove when vllm-omni's loader takes a load format from vLLM's loader registry f
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import importlib
 import time
@@ -137,12 +142,13 @@ def _wrap_load_model(original):
 def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     """Every check that needs no weights; the strategy set on the loader's own copy of ``od_config``."""
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
-    from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, weight_load_strategy
+    from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, read_threads, weight_load_strategy
     from vllm_diffusion_plugin.engine.pipeline import World
     from vllm_diffusion_plugin.engine.report import LoadReport
 
-    options = omni_load_options(loader)
     od_config = loader.od_config
+    options = omni_load_options(loader)
+    options = dataclasses.replace(options, read_threads=read_threads(options, od_config))
     check_supported(options, od_config)
     if load_format not in CARRIED_PIPELINE_FORMATS:
         raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
@@ -153,12 +159,17 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     if strategy != "full" and World.current().world_size == 1:
         logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
         strategy = "full"
-    if bool(getattr(od_config, "enable_broadcast_weight_load", False)) != (strategy == "broadcast"):
+    ours = {"enable_broadcast_weight_load": strategy == "broadcast"}
+    if getattr(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
+        ours["hsdp_weight_load_strategy"] = "full"  # never upstream's pre-sharded load (no LoRA, no stacked q/k/v)
+    if any(getattr(od_config, key, False) != value for key, value in ours.items()):
         loader.od_config = copy.copy(od_config)
-        loader.od_config.enable_broadcast_weight_load = strategy == "broadcast"
+        for key, value in ours.items():
+            setattr(loader.od_config, key, value)
     world = World.current()
     state = {"options": options, "strategy": strategy,
-             "report": LoadReport(rank=world.rank, world_size=world.world_size, strategy=strategy)}
+             "report": LoadReport(rank=world.rank, world_size=world.world_size, strategy=strategy,
+                                   read_threads=options.threads)}
     setattr(loader, STATE_ATTR, state)
     return state
 
@@ -217,7 +228,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
         fuser = load_path.lora_fuser(source, files, dtype=loader.od_config.dtype, strict=options.lora_strict,
                                      chunk_mb=options.lora_device_chunk_mb,
                                      check_finite=options.lora_check_finite)
-        dits.append(load_path.DitSource(name, s.prefix, source, fuser, report))
+        dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads))
         state["report"].components.append(report)
     return dits
 

@@ -17,7 +17,7 @@ names:
   per load/unload call. A failure that the CPU repeats is raised as is.
 
 Versions. Recognized shape: ``_resolve_lora_compute_device()`` and ``_prepare_lora_delta(..., compute_device)``
-(0.30). 0.28 computes every delta on the CPU and has no such hook: skipped with a warning (its loop would
+(tested on 0.30.0, 0.31.0rc1 and 0.32.0rc1). 0.28 computes every delta on the CPU and has no such hook: skipped with a warning (its loop would
 have to be replaced). 0.22-0.26 (checked) have no ``vllm_omni.diffusion.lora.loader`` (no distilled-LoRA
 fusion): nothing to patch, nothing logged.
 

@@ -15,10 +15,11 @@ loader has no vLLM ``ModelConfig``; vLLM attention layers (the only users of it:
 a read-only view carrying vllm-omni's ``od_config.dtype``. Applies to every load format: in vllm-omni 0.30
 the diffusion model runner builds its own ``LoadConfig()``, so a gate on the load format would never open.
 
-Versions. Recognized shape: ``_process_weights_after_loading(self, model, target_device)`` (0.22-0.30).
+Versions. Recognized shape: ``_process_weights_after_loading(self, model, target_device)`` (0.22-0.30; tested
+on 0.30.0, 0.31.0rc1 and 0.32.0rc1).
 Needed by 0.22-0.24 (meta stragglers) and by 0.26-0.30 for online quant on sharded models.
 
-vllm-omni's own tests (``testing/omni_regression.py``). ``test_process_weights_skips_completed_online_quant_layer``
+vllm-omni's own tests (``doors/omni/regression.py``). ``test_process_weights_skips_completed_online_quant_layer``
 fails with the patch, on purpose: it asserts vLLM's finalize was called as ``(model, model_config=None)``; ours
 passes the ``ModelConfig`` view above (vLLM's finalize hands it to attention layers, which read its ``dtype``;
 ``None`` holds only for a model without vLLM attention). Any other failure of that test is still unexpected
@@ -48,7 +49,7 @@ EXPECTED_UPSTREAM_TEST_DIFFERENCES = {
         "vLLM's finalize gets a ModelConfig view carrying od_config.dtype, not model_config=None (vLLM attention "
         "layers read model_config.dtype); the test asserts the exact call", "*Actual*OmniModelConfigView(dtype=*"),
 }
-"""vllm-omni tests whose outcome this unit changes on purpose (see the docstring), for ``testing.omni_regression``."""
+"""vllm-omni tests whose outcome this unit changes on purpose (see the docstring), for ``doors.omni.regression``."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ offline path import it from this module at call time) is wrapped. When the stage
 format goes through untouched.
 
 Versions. Recognized shape: ``extract_diffusion_stage_config_kwargs(kwargs, *, stage_id, ...)`` returning a
-dict (0.30). Unrecognized with the flag on the command line: the server stops at startup (``_patching``).
+dict (tested on 0.30.0, 0.31.0rc1 and 0.32.0rc1). Unrecognized with the flag on the command line: the server stops at startup (``_patching``).
 
 Remove when vllm-omni's ``OmniDiffusionConfig`` carries the stage's load format and load config to the
 runner's ``LoadConfig(...)``.

@@ -120,12 +120,29 @@ def weight_load_strategy(options: Any, od_config: Any) -> str:
     return "full"
 
 
+def read_threads(options: Any, od_config: Any) -> int:
+    """Ours (``read_threads`` in ``diffusion_hsdp`` or ``VLLM_DIFFUSION_READ_THREADS``) when given, else vllm-omni's
+    own reading threads: ``--num-weight-load-threads`` (default 4), 1 with ``enable_multithread_weight_load`` off."""
+    if options.read_threads is not None:
+        return options.read_threads
+    if not _get(od_config, "enable_multithread_weight_load", True):
+        return 1
+    threads = _get(od_config, "num_weight_load_threads", None)
+    return options.threads if threads is None else max(1, int(threads))
+
+
 def refusals(options: Any, od_config: Any) -> list[str]:
     """Every combination of our options with vllm-omni's that this door does not carry (empty: all fine).
 
     ``od_config`` is vllm-omni's ``OmniDiffusionConfig`` or the mapping of its fields (API server)."""
     problems = []
     strategy = weight_load_strategy(options, od_config)
+    if strategy == "broadcast" and _get(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
+        ours = "hsdp_weight_load='broadcast'" if options.hsdp_weight_load == "broadcast" else \
+            "vllm-omni's --enable-broadcast-weight-load"
+        problems.append(f"{ours} together with vllm-omni's --hsdp-weight-load-strategy pre_sharded (rank 0 reading "
+                        f"for all, or each rank its own rows: pre_sharded alone is our 'rank_local', which fuses "
+                        f"LoRAs and loads stacked q/k/v; drop one of the two)")
     quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
     if strategy == "rank_local" and quantization:
         problems.append(f"vllm-omni's quantization {_quant_name(quantization)!r} with hsdp_weight_load='rank_local' "

@@ -239,10 +239,10 @@ class _Sender:
     """Rank 0: the weight stream ``load_into_module`` consumes; between tensors it fuses and broadcasts."""
 
     def __init__(self, *, what, channel, source, keys, plan, digest, targets, module, files, chunk_mb,
-                 check_finite, progress) -> None:
+                 check_finite, progress, threads) -> None:
         self.what, self.channel, self.source, self.keys, self.plan = what, channel, source, keys, plan
         self.digest, self.targets, self.module, self.files = digest, targets, module, files
-        self.chunk_mb, self.check_finite, self.progress = chunk_mb, check_finite, progress
+        self.chunk_mb, self.check_finite, self.progress, self.threads = chunk_mb, check_finite, progress, threads
         self.parts = _lora_parts(module, files)
         self.pending: dict[tuple[int, str], set[str]] = {}
         self.handshaken = False
@@ -256,7 +256,8 @@ class _Sender:
         self.handshaken = True
         self.channel.handshake(self.what, self.digest, None)
         sent, last = 0, len(self.keys) - 1
-        for index, (key, tensor) in enumerate(iterate_weights(self.source, keys=self.keys, progress=self.progress)):
+        for index, (key, tensor) in enumerate(iterate_weights(self.source, keys=self.keys, progress=self.progress,
+                                                                   threads=self.threads)):
             if key != self.keys[index]:
                 raise DistributedLoadError(f"{self.source.folder}: read {key!r} where the plan expects "
                                            f"{self.keys[index]!r} (position {index}); the checkpoint changed?")
@@ -366,7 +367,8 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
             files = normalize_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
-                         check_finite=options.lora_check_finite, progress=progress)
+                         check_finite=options.lora_check_finite, progress=progress,
+                         threads=options.threads)
         started = time.perf_counter()
         result = load_into_module(module, weights=sender.stream(), source=source,
                                   strict_unexpected=options.strict_unexpected, progress=progress)

@@ -24,7 +24,8 @@ def load_full(source: ComponentSource, *, context: LoadContext,
         module = build_component(source, dtype=context.dtype, device="cpu")
     with report.phase("read"):
         result = load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
-                                  progress=context.progress, map_private=True)  # untouched weights: no copy
+                                  progress=context.progress, map_private=True,  # untouched weights: no copy
+                                  threads=options.threads)
     stats = None
     if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
         with report.phase("lora"):

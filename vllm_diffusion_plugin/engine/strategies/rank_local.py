@@ -112,9 +112,10 @@ def _bound_local_rows(binding: RowBinding, target: torch.Tensor):
 
 
 def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
-                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None):
+                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None, threads: int = 1):
     """Read this rank's rows of every bound checkpoint tensor into its targets; returns (keys read, stats).
-    ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``).
+    ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``). ``threads``: row ranges read by
+    that many threads at once (``reader.read_ahead``; every range lands in its own rows, so the result is the same).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
     it is read with ``pread`` straight into the local shard's storage when dtype and device allow, else into
@@ -139,7 +140,7 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
             for file in source.files:
                 keys = [k for k in source.keys_in(file) if k in by_key]
                 if keys:
-                    _read_file_rows(source, file, keys, by_key, targets, stats, bar)
+                    _read_file_rows(source, file, keys, by_key, targets, stats, bar, threads)
                     loaded.update(keys)
     finally:
         if bar is not None:
@@ -148,9 +149,10 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
 
 
 def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_key: Mapping[str, list[RowBinding]],
-                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any) -> None:
+                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any, threads: int = 1) -> None:
     """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
     from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.engine.reader import read_ahead
 
     header = read_safetensors_header(file)
     changed = [k for k in keys if header.get(k) != source.tensors[k]]
@@ -158,33 +160,44 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
         raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
     with open(file, "rb") as f:
         data_start = 8 + struct.unpack("<Q", f.read(8))[0]
-        for key in keys:
-            info = source.tensors[key]
-            row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
-            for binding in by_key[key]:
-                found = _bound_local_rows(binding, targets[binding.target])
-                if found is None:
-                    continue
-                dst, key_row = found
-                if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
-                    raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
-                                          f"{binding.target} rows {tuple(dst.shape)}")
-                nbytes = dst.numel() * info.dtype.itemsize
-                if not nbytes:
-                    continue
-                direct = dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous()
-                buffer = dst if direct else torch.empty(dst.shape, dtype=info.dtype)
-                _pread_into(f.fileno(), data_start + info.offset + key_row * row_bytes, buffer, file)
-                if not direct:
-                    dst.copy_(buffer)
-                stats.add(file, nbytes)
-                if bar is not None:
-                    bar.update(nbytes)
+
+        def jobs():  # (destination rows, buffer read into, file offset), in file order
+            for key in keys:
+                info = source.tensors[key]
+                row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+                for binding in by_key[key]:
+                    found = _bound_local_rows(binding, targets[binding.target])
+                    if found is None:
+                        continue
+                    dst, key_row = found
+                    if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
+                        raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
+                                              f"{binding.target} rows {tuple(dst.shape)}")
+                    if not dst.numel():
+                        continue
+                    direct = dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous()
+                    buffer = dst if direct else torch.empty(dst.shape, dtype=info.dtype)
+                    yield dst, buffer, data_start + info.offset + key_row * row_bytes
+
+        def read(job) -> None:
+            _, buffer, offset = job
+            _pread_into(f.fileno(), offset, buffer, file)
+
+        for (dst, buffer, _), _ in read_ahead(jobs(), read, threads=threads,
+                                               nbytes=lambda job: job[1].numel() * job[1].element_size()):
+            if buffer is not dst:
+                dst.copy_(buffer)
+            nbytes = buffer.numel() * buffer.element_size()
+            stats.add(file, nbytes)
+            if bar is not None:
+                bar.update(nbytes)
 
 
-def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None):
+def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None,
+                     threads: int = 1):
     """This rank's rows of every checkpoint tensor named like a target (a diffusers module's state dict)."""
-    return read_bound_rows(source, identity_bindings(source.tensors, targets), targets, progress=progress)
+    return read_bound_rows(source, identity_bindings(source.tensors, targets), targets, progress=progress,
+                           threads=threads)
 
 
 class LocalShards(nn.Module):
@@ -297,7 +310,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
                      origin=origin)  # headers only
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets, context.progress)
+        loaded, stats = _read_local_rows(source, targets, context.progress, context.options.threads)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "

@@ -15,7 +15,7 @@ enqueues an ``OUTPUT_READY`` message (or one carrying the error, as the original
 pending counter that ``drain_async_outputs`` waits on. Installed only by ``CpuOmniPlatform`` (so only in
 processes that resolved the CPU platform, i.e. under ``VLLM_DIFFUSION_OMNI_CPU=1``), never by ``register()``.
 
-Versions. Recognized shape: vllm-omni 0.30.0 (``WorkerProc._async_output_loop(self)`` creating a
+Versions. Recognized shape: vllm-omni 0.30.0, 0.31.0rc1 and 0.32.0rc1 (tested) (``WorkerProc._async_output_loop(self)`` creating a
 ``torch.Stream``; ``AsyncDiffusionOutput``, ``AsyncOutputKind.OUTPUT_READY`` and ``pack_diffusion_output_shm``
 in the module). Anything else is skipped with a warning, and the CPU platform then refuses to start a
 worker (``platform.require_patches_applied``) instead of hanging.

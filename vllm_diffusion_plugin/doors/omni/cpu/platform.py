@@ -1,6 +1,6 @@
 """``CpuOmniPlatform``: vllm-omni diffusion serving on the CPU (development, tests, CI).
 
-vllm-omni 0.30 ships platforms for CUDA, ROCm, NPU, XPU and MUSA only; on a CPU-only host it falls back to
+vllm-omni 0.30-0.32 ship platforms for CUDA, ROCm, NPU, XPU and MUSA only; on a CPU-only host it falls back to
 ``UnspecifiedOmniPlatform`` (0 devices) and ``vllm serve --omni`` stops at stage init. This platform is
 vLLM's own ``CpuPlatform`` (gloo, ``device_type == "cpu"``) plus what vllm-omni's diffusion path asks of an
 omni platform, each found by running a real server:
@@ -13,7 +13,7 @@ omni platform, each found by running a real server:
   Linux's ``/proc/self/clear_refs`` where the kernel allows it;
 - diffusion attention through torch SDPA (:mod:`.attention`);
 - the worker output thread without device streams (patch unit :mod:`.patch_output_stream`), and the
-  ``torch.ops._C`` activation kernels vLLM 0.30's layers bind on a CPU (:mod:`.patch_activation_ops`), both
+  ``torch.ops._C`` activation kernels vLLM's layers bind on a CPU (:mod:`.patch_activation_ops`), both
   installed when this platform is constructed, i.e. only in processes that resolved it.
 
 It is a diffusion-only platform: vllm-omni's autoregressive and generation workers are refused by name.
@@ -193,4 +193,4 @@ def require_patches_applied() -> None:
     if missing:
         raise RuntimeError(f"vllm-omni {_patching.omni_version()}: the CPU platform needs its patch units, "
                            f"and these are not applied: {missing}. This vllm-omni is not one the CPU platform "
-                           f"supports (tested: 0.30.0).")
+                           f"supports (tested: 0.30.0, 0.31.0rc1, 0.32.0rc1).")

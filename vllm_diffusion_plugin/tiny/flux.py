@@ -5,7 +5,7 @@ writes (``TINY_CONFIGS["flux"]``: inner width 32, ``pooled_projection_dim`` 32, 
 ``in_channels`` 4 = one latent channel packed 2x2). FLUX.1 reads two text encoders: CLIP (its pooled output
 feeds ``pooled_projection_dim``) and T5 (its hidden states feed ``joint_attention_dim``); both tokenizers are
 built offline (``tiny_tokenizers.clip_tokenizer`` / ``t5_tokenizer``, no hub). Every parameter is drawn from a
-seeded normal, as ``tiny_models.build_tiny_model`` does, so a weight a loader forgets shows in the image.
+seeded normal, as ``models.build_tiny_model`` does, so a weight a loader forgets shows in the image.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_diffusion_plugin.testing.tiny_models import seed_parameters
-from vllm_diffusion_plugin.testing.tiny_tokenizers import clip_tokenizer, t5_tokenizer
+from vllm_diffusion_plugin.tiny.models import seed_parameters
+from vllm_diffusion_plugin.tiny.tokenizers import clip_tokenizer, t5_tokenizer
 
 TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                  max_position_embeddings=77, projection_dim=32)

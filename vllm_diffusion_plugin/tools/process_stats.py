@@ -1,5 +1,5 @@
 """Memory and I/O of every process of a server's process group, sampled while it runs (used by
-``testing.servers.serve(sample_s=...)``): peak RSS per process from the kernel's high-water mark (``VmHWM``) and
+``tools.servers.serve(sample_s=...)``): peak RSS per process from the kernel's high-water mark (``VmHWM``) and
 the largest sampled ``VmRSS``, storage and syscall read bytes from ``/proc/PID/io``, and each process's role
 from its title. Linux only (``/proc``)."""
 

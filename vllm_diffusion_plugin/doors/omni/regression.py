@@ -1,13 +1,13 @@
 """vllm-omni's own loader tests as a regression gate for this plugin's vllm-omni patches.
 
-    python -m vllm_diffusion_plugin.testing.omni_regression /path/to/vllm-omni [--tests FILE ...] [--json]
+    python -m vllm_diffusion_plugin.doors.omni.regression /path/to/vllm-omni [--tests FILE ...] [--json]
 
 Runs the named test files of a vllm-omni checkout (default: its ``DiffusersPipelineLoader`` and LoRA loader
 unit tests) twice with this interpreter, each in its own pytest process with a junit XML: once with the
 plugin disabled (``VLLM_DIFFUSION_PLUGIN=0``), once enabled (``=1``). The checkout provides the tests; the
 vllm-omni that is tested is whichever this interpreter imports (the installed one, or the checkout itself
 when it is installed editable); the report names it. Each run loads the general plugins as a vllm-omni
-diffusion worker does (:mod:`.omni_regression_probe`), so the enabled run has our patches armed before the
+diffusion worker does (:mod:`.regression_probe`), so the enabled run has our patches armed before the
 tests import vllm-omni's loader, and records each patch unit's state: a run in which the plugin was not
 active (enabled) or was active (disabled) is an error, not a pass.
 
@@ -34,7 +34,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from vllm_diffusion_plugin.testing.omni_regression_probe import PROBE_ENV
+from vllm_diffusion_plugin.doors.omni.regression_probe import PROBE_ENV
 
 DEFAULT_TESTS = (
     "tests/diffusion/model_loader/test_diffusers_loader.py",
@@ -128,7 +128,7 @@ def run_pytest(checkout: Path, tests: list[str], *, enabled: bool, workdir: Path
                          (("junit", "xml"), ("probe", "json"), ("pytest", "log")))
     env = dict(os.environ, VLLM_DIFFUSION_PLUGIN="1" if enabled else "0", **{PROBE_ENV: str(probe)})
     command = [sys.executable, "-m", "pytest", *tests, "--rootdir", str(checkout), "-q", "-p", "no:cacheprovider",
-               "-p", "vllm_diffusion_plugin.testing.omni_regression_probe", "-o", "junit_family=xunit1",
+               "-p", "vllm_diffusion_plugin.doors.omni.regression_probe", "-o", "junit_family=xunit1",
                f"--junitxml={junit}", *pytest_args]
     with open(log, "w") as output:
         try:
@@ -258,7 +258,7 @@ def run_regression(checkout: str | os.PathLike, tests: list[str] | None = None, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_diffusion_plugin.testing.omni_regression",
+        prog="python -m vllm_diffusion_plugin.doors.omni.regression",
         description="Run a vllm-omni checkout's loader tests with this plugin disabled and enabled; print the "
                     "tests whose outcome differs. Exit 0: none unexpected; 1: unexpected differences; 2: no "
                     "comparison possible.")

@@ -5,7 +5,7 @@ What vllm-omni 0.30's ``QwenImagePipeline`` (and diffusers' own) loads from the 
 ``Qwen2_5_VLForConditionalGeneration`` (vllm-omni drops its vision tower after loading), ``tokenizer/`` a
 ``Qwen2Tokenizer``, ``vae/`` an ``AutoencoderKLQwenImage`` (``vae_scale_factor`` = 2 ** len(temperal_downsample)
 = 8: images are multiples of 16), ``scheduler/`` a ``FlowMatchEulerDiscreteScheduler``. Sizes follow the tiny DiT
-of ``tiny_models.TINY_CONFIGS["qwen-image"]``: the encoder's hidden size is its ``joint_attention_dim`` (32),
+of ``models.TINY_CONFIGS["qwen-image"]``: the encoder's hidden size is its ``joint_attention_dim`` (32),
 the VAE's ``z_dim`` (4) times the 2x2 packing is its ``in_channels`` (16). The pipelines drop the first
 ``prompt_template_encode_start_idx`` (34) tokens of the prompt template; the tiny tokenizer makes the template's
 system part exactly 34 tokens, as Qwen's does, so the prompt's own tokens reach the DiT.
@@ -38,8 +38,8 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_diffusion_plugin.testing.tiny_models import seed_parameters
-    from vllm_diffusion_plugin.testing.tiny_tokenizers import qwen2_tokenizer
+    from vllm_diffusion_plugin.tiny.models import seed_parameters
+    from vllm_diffusion_plugin.tiny.tokenizers import qwen2_tokenizer
 
     root = Path(root)
     tokenizer = qwen2_tokenizer()

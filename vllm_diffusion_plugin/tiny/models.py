@@ -33,9 +33,9 @@ PIPELINES = {
 }
 RUNTIME_WRITERS: dict[str, str] = {
     "wan": f"{__name__}:write_wan_runtime_components",
-    "flux": "vllm_diffusion_plugin.testing.tiny_flux:write_runtime_components",
-    "z-image": "vllm_diffusion_plugin.testing.tiny_z_image:write_runtime_components",
-    "qwen-image": "vllm_diffusion_plugin.testing.tiny_qwen_image:write_runtime_components",
+    "flux": "vllm_diffusion_plugin.tiny.flux:write_runtime_components",
+    "z-image": "vllm_diffusion_plugin.tiny.z_image:write_runtime_components",
+    "qwen-image": "vllm_diffusion_plugin.tiny.qwen_image:write_runtime_components",
 }
 """``kind`` -> ``"module:function"`` writing the pipeline's other components (text encoders, tokenizers, VAE,
 scheduler) under a folder, called as ``function(root, seed=, dtype=)``; returns their ``model_index.json``
@@ -118,7 +118,7 @@ def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtyp
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from vllm_diffusion_plugin.testing.tiny_tokenizers import t5_tokenizer
+    from vllm_diffusion_plugin.tiny.tokenizers import t5_tokenizer
 
     root = Path(root)
     tokenizer = t5_tokenizer(_TINY_WORDS)

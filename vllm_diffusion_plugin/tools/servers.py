@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_diffusion_plugin.engine.report import REPORT_PREFIX
-from vllm_diffusion_plugin.testing.process_stats import GroupSampler, ProcessStats  # noqa: F401
+from vllm_diffusion_plugin.tools.process_stats import GroupSampler, ProcessStats  # noqa: F401
 
 VIDEO_FORM = {"prompt": "a red cat walks on the beach", "width": "32", "height": "32", "num_frames": "5",
               "num_inference_steps": "4", "guidance_scale": "1.0", "guidance_scale_2": "1.0",

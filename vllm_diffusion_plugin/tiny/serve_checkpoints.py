@@ -1,5 +1,5 @@
 """The tiny runnable Wan2.2 pipeline the serving proof and ``vllm-diffusion demo --serve`` serve: written by
-diffusers/transformers themselves (``tiny_models.write_tiny_pipeline(runnable=True)``), one LoRA per transformer
+diffusers/transformers themselves (``models.write_tiny_pipeline(runnable=True)``), one LoRA per transformer
 in two formats (diffusers/PEFT for ``transformer``, Wan/LightX2V naming for ``transformer_2``), and for the proof
 the same pipeline with both LoRAs fused by diffusers (``load_lora_adapter`` + ``fuse_lora``). Needs diffusers
 and peft.
@@ -31,7 +31,7 @@ class Checkpoints:
 def build_checkpoints(root: Path, *, merged: bool = True) -> Checkpoints:
     """The tiny runnable Wan2.2 pipeline under ``root/original``, its two LoRAs, and (``merged=True``) the
     diffusers-merged twin under ``root/merged`` (``merged=False``: that field is None)."""
-    from vllm_diffusion_plugin.testing.tiny_models import write_tiny_pipeline
+    from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
     root.mkdir(parents=True, exist_ok=True)
     original = write_tiny_pipeline(root / "original", "wan", runnable=True)

@@ -1,7 +1,7 @@
 """The runtime components of a tiny runnable Z-Image pipeline folder (``write_tiny_pipeline(DIR, "z-image",
 runnable=True)``), written by transformers/diffusers themselves, no hub.
 
-Sized to the tiny ``ZImageTransformer2DModel`` of ``tiny_models.TINY_CONFIGS["z-image"]``: a Qwen3 text encoder
+Sized to the tiny ``ZImageTransformer2DModel`` of ``models.TINY_CONFIGS["z-image"]``: a Qwen3 text encoder
 whose hidden size is the DiT's ``cap_feat_dim`` (both ZImage pipelines, diffusers' and vllm-omni's, feed the DiT the
 second-to-last hidden state, so two layers), a Qwen2 byte-level BPE tokenizer with Qwen3's chat template
 (``tiny_tokenizers.qwen2_tokenizer``), an ``AutoencoderKL`` with ``latent_channels`` == the DiT's ``in_channels``
@@ -36,8 +36,8 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from vllm_diffusion_plugin.testing.tiny_models import seed_parameters
-    from vllm_diffusion_plugin.testing.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL, qwen2_tokenizer
+    from vllm_diffusion_plugin.tiny.models import seed_parameters
+    from vllm_diffusion_plugin.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL, qwen2_tokenizer
 
     root = Path(root)
     tokenizer = qwen2_tokenizer(special=QWEN3_SPECIAL, chat_template=QWEN3_CHAT_TEMPLATE)
