@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_diffusion_plugin.doors import cli
-from vllm_diffusion_plugin.testing.tiny_models import PIPELINES, build_tiny_model, write_tiny_lora
+from vllm_diffusion_plugin.tiny.models import PIPELINES, build_tiny_model, write_tiny_lora
 
 CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
 COMMON = ("--device", "cpu", "--dtype", "float32")

@@ -44,17 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("checkpoint", help="diffusers pipeline folder, component folder, or hub id (ORG/NAME)")
     _add_load_options(load)
 
-    plan = sub.add_parser("plan", help="say from headers and meta skeletons what each rank of a load would read "
-                                       "and hold, per strategy (reads no weight byte)", formatter_class=formatter)
-    plan.add_argument("checkpoint", help="diffusers pipeline folder or component folder")
-    _add_shared_options(plan)
-    plan.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
-                      help="where the load would place the modules; auto: this host's accelerator if a probe "
-                           "allocation on it succeeds, else the CPU")
-    plan.add_argument("--host-memory", metavar="SIZE", help="host memory per node (64GiB, 80GB, bytes); "
-                                                            "default: this machine's total RAM")
-    plan.add_argument("--device-memory", metavar="SIZE", help="memory per accelerator; default: the probed "
-                                                              "accelerator's (none on the CPU)")
+    from vllm_diffusion_plugin.doors.planning import add_plan_parser
+
+    add_plan_parser(sub, shared=_add_shared_options, formatter=formatter)
 
     demo = sub.add_parser("demo", help="build a tiny Wan2.2-style checkpoint + LoRA locally and load it",
                           formatter_class=formatter)
@@ -72,9 +64,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
     _add_shared_options(p)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
-                   help="where the loaded modules live; auto: this rank's accelerator if a probe allocation "
-                        "on it succeeds, else the CPU")
     p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
                    help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
                         "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
@@ -90,6 +79,9 @@ def _add_shared_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (ignored under torchrun)")
     p.add_argument("--hsdp-shard-size", type=int, default=-1, help="HSDP shard size S (-1: world / R)")
     p.add_argument("--hsdp-replicate-size", type=int, default=1, help="HSDP replicate size R")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                   help="where the loaded modules live; auto: this rank's accelerator if a probe allocation "
+                        "on it succeeds, else the CPU")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="parameter dtype of the loaded modules")
     p.add_argument("--hsdp-weight-load", choices=("full", "broadcast", "rank_local"), default=None,
                    help="how ranks get their weights: each reads all (full), rank 0 reads and broadcasts, or each "

@@ -36,6 +36,18 @@ def device_memory_total(device) -> int | None:
     return None
 
 
+def add_plan_parser(sub, *, shared, formatter) -> None:
+    """The ``plan`` subcommand on ``sub``: ``shared(parser)`` adds the options it shares with ``load``."""
+    plan = sub.add_parser("plan", help="say from headers and meta skeletons what each rank of a load would read "
+                                       "and hold, per strategy (reads no weight byte)", formatter_class=formatter)
+    plan.add_argument("checkpoint", help="diffusers pipeline folder or component folder")
+    shared(plan)
+    plan.add_argument("--host-memory", metavar="SIZE", help="host memory per node (64GiB, 80GB, bytes); "
+                                                            "default: this machine's total RAM")
+    plan.add_argument("--device-memory", metavar="SIZE", help="memory per accelerator; default: the probed "
+                                                              "accelerator's (none on the CPU)")
+
+
 def run_plan(args: argparse.Namespace, *, options) -> str:
     """The plan for ``args`` (the ``plan`` subcommand's flags), as the text the command prints."""
     import torch
