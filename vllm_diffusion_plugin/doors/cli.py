@@ -6,6 +6,7 @@
                             [--hsdp-weight-load full|broadcast|rank_local] [--read-threads N]
                             [--save-fused OUT_DIR]
                             [--allow-pickle] [--json] [--verbose]
+    vllm-diffusion plan DIR [the options of load but --save-fused] [--host-memory SIZE] [--device-memory SIZE]
     vllm-diffusion demo [--nproc N] [--json] [--keep DIR] [--verbose]
     vllm-diffusion demo --serve [--nproc 1|2] [--keep DIR]     (the [omni] extra: a real vllm-omni server)
 
@@ -43,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("checkpoint", help="diffusers pipeline folder, component folder, or hub id (ORG/NAME)")
     _add_load_options(load)
 
+    from vllm_diffusion_plugin.doors.planning import add_plan_parser
+
+    add_plan_parser(sub, shared=_add_shared_options, formatter=formatter)
+
     demo = sub.add_parser("demo", help="build a tiny Wan2.2-style checkpoint + LoRA locally and load it",
                           formatter_class=formatter)
     demo.add_argument("--nproc", type=int, default=1, help="local ranks to spawn (HSDP when > 1)")
@@ -58,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_load_options(p: argparse.ArgumentParser) -> None:
+    _add_shared_options(p)
+    p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
+                   help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
+                        "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
+
+
+def _add_shared_options(p: argparse.ArgumentParser) -> None:
+    """The options ``load`` and ``plan`` share (the same load, run or planned)."""
     p.add_argument("--component", action="append", dest="components", metavar="NAME",
                    help="component to load (repeatable); default: the pipeline's DiTs")
     p.add_argument("--lora", action="append", default=[], metavar="[COMPONENT=]PATH[@SCALE]",
@@ -76,9 +89,6 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-threads", type=int, default=None, metavar="N",
                    help="threads reading checkpoint bytes ahead of the load (1: one); unset: "
                         "VLLM_DIFFUSION_READ_THREADS or 4")
-    p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
-                   help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
-                        "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept .bin/.pt weights (read with torch.load(weights_only=True)); unset: "
                         "VLLM_DIFFUSION_ALLOW_PICKLE decides")
@@ -362,6 +372,16 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "demo" and args.serve:
         try:
             return _serve_demo(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if args.command == "plan":
+        from vllm_diffusion_plugin.doors.planning import run_plan
+
+        try:
+            print(run_plan(args, options=_options(args)))
+            return 0
+        except Exception as exc:
+            return _failed(exc, args, interrupted="")
         finally:
             signal.signal(signal.SIGTERM, previous)
     try:

@@ -263,7 +263,8 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, index)
 
 
-def _unshardable(param: torch.Tensor) -> bool:
+def unshardable(param: torch.Tensor) -> bool:
+    """Whether FSDP2 leaves ``param`` whole on every rank (0-dim or not floating point: replicated)."""
     return param.ndim == 0 or not (param.is_floating_point() or param.is_complex())
 
 
@@ -289,7 +290,7 @@ def _prepare_params(model: nn.Module, device: torch.device,
             if param.is_meta and not allow_meta:
                 raise ValueError(f"Parameter {name} {tuple(param.shape)} is still on the meta device; finalize "
                                  f"online quantization (postprocess.process_weights_after_loading) before HSDP")
-            if _unshardable(param):
+            if unshardable(param):
                 if param.device != device and not param.is_meta:
                     move_parameter(owner, pname, device)
                 ignored[owner._parameters[pname]] = name

@@ -29,7 +29,7 @@ from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport, report_line
+from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport, report_line, status_memory
 
 logger = init_logger(__name__)
 
@@ -179,6 +179,7 @@ def load_components(
     world = World.current()
     report = LoadReport(rank=world.rank, world_size=world.world_size, device=str(device),
                         dtype=str(dtype).removeprefix("torch."), read_threads=options.threads)
+    report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
     with report.phase("total"):
         # ---- validate everything before the first byte of weights is read
         if hsdp is not None:

@@ -92,6 +92,9 @@ class LoadReport:
     seconds: dict[str, float] = field(default_factory=dict)
     components: list[ComponentReport] = field(default_factory=list)
     peak_rss_bytes: int = 0
+    baseline_rss_bytes: int = 0
+    """This process's RSS when the load started, before its first weight byte (``peak_rss_bytes`` minus this is
+    what the load added, when the process had not peaked higher before)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -137,6 +140,7 @@ def merge_ranks(reports: list[LoadReport]) -> dict[str, Any]:
     merged = reports[0].to_dict()
     merged["ranks"] = [
         {"rank": r.rank, "bytes_read": r.bytes_read, "peak_rss_bytes": r.peak_rss_bytes,
+         "baseline_rss_bytes": r.baseline_rss_bytes,
          "seconds": r.seconds,
          "param_bytes_local": sum(c.param_bytes_local for c in r.components)}
         for r in reports

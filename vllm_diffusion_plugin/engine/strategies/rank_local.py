@@ -37,6 +37,14 @@ from vllm_diffusion_plugin.engine.strategies.base import (
 logger = init_logger(__name__)
 
 
+def shard_rows(rows: int, *, size: int, index: int) -> tuple[int, int]:
+    """``(first row, end row)`` of shard ``index`` of ``size`` over ``rows`` rows: torch.chunk's split, as FSDP2
+    and DTensor use (the last shards may be short or empty)."""
+    chunk = math.ceil(rows / size)
+    start = min(rows, index * chunk)
+    return start, min(rows, start + chunk)
+
+
 def local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``(local storage, first row, end row)`` of ``param`` on this rank: a DTensor's local shard and its
     global row range, or a plain tensor whole. Only ``Shard(0)``/``Replicate`` placements are supported."""
@@ -50,10 +58,8 @@ def local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         raise DistributedLoadError(f"{name}: placements {param.placements} are not (Replicate, ..., Shard(0)); "
                                    f"rank_local reads row ranges only; use hsdp_weight_load=broadcast")
     mesh, dim = param.device_mesh, shard_dims[0]
-    rows, size, index = param.shape[0], mesh.size(dim), mesh.get_local_rank(dim)
-    chunk = math.ceil(rows / size)  # torch.chunk's split, as FSDP2 and DTensor use
-    start = min(rows, index * chunk)
-    stop = min(rows, start + chunk)
+    start, stop = shard_rows(param.shape[0], size=mesh.size(dim), index=mesh.get_local_rank(dim))
+    size, index = mesh.size(dim), mesh.get_local_rank(dim)
     local = param.to_local()
     if tuple(local.shape) != (stop - start, *param.shape[1:]):
         raise DistributedLoadError(f"{name}: local shard is {tuple(local.shape)} but rows {start}:{stop} of "

@@ -1,0 +1,260 @@
+"""What a load will read and hold on each rank, from the shard headers and ``meta`` skeletons alone.
+
+``plan_load`` resolves the checkpoint (headers only, ``checkpoint.resolve_checkpoint``), builds every component's
+skeleton on ``meta`` (``skeleton.build_component``), checks the LoRA files against it (``lora.prepare_lora_files``)
+and models, per rank and per component, each ``hsdp_weight_load`` strategy as the engine runs it -- the CLI path
+(``pipeline.load_components``), where a diffusers DiT binds each checkpoint key to its own parameter. Under
+vllm-omni (``doors/omni/rank_local.py``) stacked q/k/v are three row bindings into one parameter: the rows a rank
+reads can differ from what is planned here for those parameters; the totals of the other tensors are the same.
+
+- bytes read: ``full`` every tensor a component's module takes, on every rank; ``broadcast`` the same on rank 0,
+  nothing elsewhere; ``rank_local`` this rank's rows of each sharded DiT parameter (``rank_local.shard_rows``, the
+  split the load itself uses), whole tensors for what FSDP2 replicates (``hsdp.unshardable``) and for buffers, and
+  every other component whole.
+- host memory our load adds (device ``cpu``): ``full``/``broadcast`` hold each DiT whole (its final dtypes) plus
+  the local shards FSDP2 copies out of it; ``rank_local`` holds the local shards only. Add the normalized LoRA
+  factors of the component's files and the largest transient (a LoRA row chunk ``lora_device_chunk_mb``, a
+  broadcast bucket ``hsdp_broadcast_bucket_mb``, or the all-gather of the largest FSDP block when the model first
+  runs). Components load one after the other; the full-size copies of a component are gone once it is sharded.
+- accelerator memory (device not ``cpu``): the local shards, plus the larger of the LoRA chunk and the first run's
+  largest block all-gather.
+
+Reads no weight byte. Pure functions; no door imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """One component on one rank under one strategy (bytes)."""
+
+    name: str
+    bytes_read: int
+    held: int
+    """Parameter/buffer bytes this rank holds once the component is loaded (local shards when sharded)."""
+    peak: int
+    """The most this component's load holds at once on the host (cpu) or accelerator, transients included."""
+    transient: str
+    transient_bytes: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank under one strategy: its components and the peaks over the whole load (bytes)."""
+
+    rank: int
+    strategy: str
+    """The strategy asked for; ``runs`` is what the load would use (one process: always ``full``)."""
+    runs: str
+    components: tuple[ComponentPlan, ...]
+    bytes_read: int
+    host_peak: int
+    device_peak: int | None
+    """None when the load runs on the CPU (no accelerator)."""
+    first_run_peak: int
+    """Held bytes plus the first run's largest FSDP block all-gather (host or accelerator)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What each strategy needs on each rank, and whether it fits the given memory."""
+
+    checkpoint: str
+    world_size: int
+    layout: tuple[int, int] | None
+    device_type: str
+    dtype: str
+    ranks: tuple[RankPlan, ...]
+    unavailable: dict[str, str] = field(default_factory=dict)
+    """Strategy -> why it cannot serve this load (``check_strategy``'s message)."""
+    host_memory: int | None = None
+    device_memory: int | None = None
+
+    def fits(self, strategy: str) -> bool | None:
+        """Whether every rank's peaks under ``strategy`` fit the given memory (None: no limit given)."""
+        if strategy in self.unavailable:
+            return False
+        if self.host_memory is None and self.device_memory is None:
+            return None
+        for r in self.ranks:
+            if r.strategy != strategy:
+                continue
+            if self.host_memory is not None and max(r.host_peak, r.first_run_peak if self.device_type == "cpu"
+                                                    else 0) > self.host_memory:
+                return False
+            if self.device_memory is not None and r.device_peak is not None and max(
+                    r.device_peak, r.first_run_peak) > self.device_memory:
+                return False
+        return True
+
+    def pick(self) -> str | None:
+        """The fitting strategy with the smallest host peak on any rank, then the fewest bytes read per rank."""
+        def cost(strategy: str) -> tuple[int, int]:
+            rows = [r for r in self.ranks if r.strategy == strategy]
+            return (max(max(r.host_peak, r.device_peak or 0) for r in rows), max(r.bytes_read for r in rows))
+
+        usable = [s for s in STRATEGY_ORDER if s not in self.unavailable and self.fits(s) is not False]
+        return min(usable, key=cost) if usable else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["fits"] = {s: self.fits(s) for s in STRATEGY_ORDER}
+        data["pick"] = self.pick()
+        return data
+
+
+STRATEGY_ORDER = ("full", "broadcast", "rank_local")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the plan needs of one component: per tensor (checkpoint bytes, final bytes, rows, sharded)."""
+
+    name: str
+    is_dit: bool
+    tensors: dict[str, tuple[int, int, int, bool]]
+    blocks: tuple[int, ...]
+    """Bytes (final dtypes) of each FSDP block; the root's remainder is one more."""
+    lora_bytes: int
+    lora_largest: int
+    """Bytes of the largest ``B @ A`` delta (final dtype), bounded by the LoRA chunk."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``64GiB`` / ``80GB`` / ``512MiB`` / ``1e9`` / a plain integer; ValueError naming the text."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abgikmt")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value < 0:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional unit "
+                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64GiB")
+    return int(value * units[unit])
+
+
+def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
+                     options) -> _Shape:
+    from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
+    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+
+    module = build_component(source, dtype=dtype, device="meta")
+    params = dict(module.named_parameters())
+    targets = module.state_dict(keep_vars=True)
+    tensors = {}
+    for key, info in source.tensors.items():
+        if key in targets:
+            t = targets[key]
+            tensors[key] = (info.nbytes, t.numel() * t.element_size(), t.shape[0] if t.dim() else 0,
+                            key in params and not unshardable(t))
+    blocks: tuple[int, ...] = ()
+    if is_dit:
+        modules = dict(module.named_modules())
+        names = select_blocks(module, pattern=options.hsdp_block_pattern).names
+        blocks = tuple(sum(p.numel() * p.element_size() for p in modules[n].parameters()) for n in names)
+    lora_bytes = largest = 0
+    for lora in prepare_lora_files(module, lora_files, strict=options.lora_strict, component=source.name):
+        for name, delta in lora.deltas.items():
+            parts = [delta.A, delta.B, delta.bias_delta, delta.full_delta]
+            lora_bytes += sum(p.numel() * p.element_size() for p in parts if p is not None)
+            weight = params.get(f"{name}.weight", params.get(name))
+            if weight is not None:
+                largest = max(largest, weight.numel() * weight.element_size())
+    return _Shape(source.name, is_dit, tensors, blocks, lora_bytes, largest)
+
+
+def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sharded: bool,
+                    options, on_device: bool) -> tuple[ComponentPlan, int, int]:
+    """(plan, host peak, device peak) of one component on ``rank``."""
+    from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
+
+    index = rank % shard_size
+    whole_read = sum(c for c, _, _, _ in shape.tensors.values())
+    whole = sum(f for _, f, _, _ in shape.tensors.values())
+    local_read = local = 0
+    for ckpt, final, rows, shard in shape.tensors.values():
+        if sharded and shard and rows:
+            start, stop = shard_rows(rows, size=shard_size, index=index)
+            local_read += ckpt // rows * (stop - start)
+            local += final // rows * (stop - start)
+        else:
+            local_read, local = local_read + ckpt, local + final
+    rank_local = runs == "rank_local" and sharded
+    if runs == "broadcast":
+        bytes_read = whole_read if rank == 0 else 0
+    else:
+        bytes_read = local_read if rank_local else whole_read
+    held = local if sharded else whole
+    chunk = min(options.lora_device_chunk_mb * MIB, shape.lora_largest) if shape.lora_bytes else 0
+    lora = shape.lora_bytes if (runs != "broadcast" or rank == 0 or rank_local) else 0
+    bucket = options.hsdp_broadcast_bucket_mb * MIB if runs == "broadcast" else 0
+    transients = {"lora_device_chunk_mb": chunk if lora else 0, "hsdp_broadcast_bucket_mb": min(bucket, whole)}
+    transient = max(transients, key=transients.get)
+    if rank_local:
+        host = (0 if on_device else local) + lora + transients[transient]
+        device = local + (chunk if lora else 0)
+    else:  # the whole component on the host, then its local shards (on the device, or beside it on the host)
+        host = whole + (local if sharded and not on_device else 0) + lora + transients[transient]
+        device = held + (chunk if lora else 0)
+    plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
+                         transients[transient])
+    return plan, host, device
+
+
+def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
+              world_size: int = 1, hsdp=None, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu",
+              host_memory: int | None = None, device_memory: int | None = None) -> Plan:
+    """Plan a load of ``checkpoint`` over ``world_size`` ranks (``hsdp``: an ``HSDPConfig`` when > 1) for every
+    strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons)."""
+    from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
+    from vllm_diffusion_plugin.engine.pipeline import assign_loras
+    from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
+
+    sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
+    transformers = [s.name for s in sources if is_transformer(s)]
+    loras = assign_loras(lora_specs, transformers) if lora_specs else {}
+    shard_size, layout = 1, None
+    if world_size > 1:
+        resolved = hsdp.resolved(world_size)
+        shard_size, layout = resolved.shard_size, resolved.mesh_shape
+    shapes = [_component_shape(s, is_dit=s.name in transformers, dtype=dtype, options=options,
+                               lora_files=[(str(x.path), x.scale) for x in loras.get(s.name, [])]) for s in sources]
+    on_device = device_type != "cpu"
+    ranks, unavailable = [], {}
+    for strategy in STRATEGY_ORDER:
+        try:
+            runs = check_strategy(strategy, sources=sources, world_size=world_size, sharded=world_size > 1)
+        except StrategyError as exc:
+            unavailable[strategy] = str(exc)
+            continue
+        for rank in range(world_size):
+            planned, host_peak, device_peak, held_before, gather = [], 0, 0, 0, 0
+            for shape in shapes:
+                sharded = shape.is_dit and world_size > 1
+                cp, host, device = _component_plan(shape, runs=runs, rank=rank, shard_size=shard_size,
+                                                   sharded=sharded, options=options, on_device=on_device)
+                planned.append(cp)
+                host_held = 0 if on_device else held_before
+                host_peak = max(host_peak, host_held + host)
+                device_peak = max(device_peak, held_before + device)
+                held_before += cp.held
+                if shape.is_dit:
+                    gather = max(gather, *shape.blocks, 0) if sharded else gather
+            ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
+                                  host_peak, device_peak if on_device else None, held_before + gather))
+    return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
+                unavailable, host_memory, device_memory)
