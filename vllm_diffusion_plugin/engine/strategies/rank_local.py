@@ -58,8 +58,8 @@ def local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         raise DistributedLoadError(f"{name}: placements {param.placements} are not (Replicate, ..., Shard(0)); "
                                    f"rank_local reads row ranges only; use hsdp_weight_load=broadcast")
     mesh, dim = param.device_mesh, shard_dims[0]
-    start, stop = shard_rows(param.shape[0], size=mesh.size(dim), index=mesh.get_local_rank(dim))
     size, index = mesh.size(dim), mesh.get_local_rank(dim)
+    start, stop = shard_rows(param.shape[0], size=size, index=index)
     local = param.to_local()
     if tuple(local.shape) != (stop - start, *param.shape[1:]):
         raise DistributedLoadError(f"{name}: local shard is {tuple(local.shape)} but rows {start}:{stop} of "
