@@ -394,7 +394,8 @@ def _main(argv: list[str] | None) -> int:
     from vllm_diffusion_plugin.engine.report import format_table
 
     before_main = {"startup": age} if age is not None else {}
-    merged["seconds"] = {**before_main, "imports": imports, **merged["seconds"],
+    seconds = merged["seconds"]  # a spawned rank imports the classes again: its own "imports", after ours
+    merged["seconds"] = {**before_main, **seconds, "imports": imports + seconds.get("imports", 0.0),
                          "wall": (age or 0.0) + time.perf_counter() - started}
     print(json.dumps(merged, indent=2) if args.json else format_table(merged))
     return 0

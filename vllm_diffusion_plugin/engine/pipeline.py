@@ -173,20 +173,24 @@ def load_components(
     terminal -- True for every step, None only for reads over 1 GiB, False never.
     """
     from vllm_diffusion_plugin.engine.hsdp import build_mesh
+    from vllm_diffusion_plugin.engine.skeleton import component_class
     from vllm_diffusion_plugin.engine.strategies import LoadContext, check_strategy
     from vllm_diffusion_plugin.engine.strategies.broadcast import open_channel
 
     world = World.current()
     report = LoadReport(rank=world.rank, world_size=world.world_size, device=str(device),
                         dtype=str(dtype).removeprefix("torch."), read_threads=options.threads)
+    if hsdp is not None:
+        hsdp = hsdp.resolved(world.world_size)
+        report.layout = hsdp.mesh_shape
+    # ---- validate everything before the first byte of weights is read
+    with report.phase("resolve"):
+        sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
+    with report.phase("imports"):  # code, not weights: a diffusers model module pulls in ~400 MB and seconds
+        for source in sources:
+            component_class(source)
     report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
     with report.phase("total"):
-        # ---- validate everything before the first byte of weights is read
-        if hsdp is not None:
-            hsdp = hsdp.resolved(world.world_size)
-            report.layout = hsdp.mesh_shape
-        with report.phase("resolve"):
-            sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
         transformers = [s.name for s in sources if is_transformer(s)]
         loras = assign_loras(lora_specs, transformers) if lora_specs else {}
         report.strategy = check_strategy(options.hsdp_weight_load, sources=sources, world_size=world.world_size,

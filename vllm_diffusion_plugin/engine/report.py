@@ -19,10 +19,13 @@ from typing import Any
 
 PHASES = ("startup", "imports", "demo_write", "validate", "resolve", "build", "read", "broadcast", "lora",
           "postprocess", "shard", "save", "total", "wall")
-"""Report order. ``resolve`` .. ``save`` are the ranks' load steps and ``total`` their sum (``load_components``);
-the CLI adds its launching process's ``startup`` (process start to ``main``), ``imports`` (torch, diffusers and
-the diffusers classes the checkpoint names), ``demo_write`` (the demo's tiny checkpoint), ``validate`` (its checks
-before any rank starts) and ``wall`` (process start to the report)."""
+"""Report order. ``resolve`` .. ``save`` are the ranks' load steps (``load_components``): ``resolve`` (headers) and
+``imports`` (the diffusers classes the checkpoint names: code, seconds and ~400 MB of RSS for a diffusers model
+module, paid before ``baseline_rss_bytes`` is taken), then ``total``, the load proper from the strategy checks to
+the last component sharded. The CLI adds its launching process's ``startup`` (process start to ``main``) and
+``imports`` (torch, diffusers and the same classes; a spawned rank's own are added to it), ``demo_write`` (the
+demo's tiny checkpoint), ``validate`` (its checks before any rank starts) and ``wall`` (process start to the
+report)."""
 
 
 REPORT_PREFIX = "diffusion-hsdp load report:"
