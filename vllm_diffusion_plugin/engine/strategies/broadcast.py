@@ -201,7 +201,9 @@ class BroadcastChannel:
         return data
 
     def finish(self, what: str) -> None:
-        """Confirm that every rank got every bucket of ``what`` (also catches a rank lost after the last one)."""
+        """Confirm that every rank got every bucket of ``what`` (also catches a rank lost after the last one).
+        The staging buffer goes too: it would otherwise sit beside the component while FSDP2 shards it."""
+        self._buffer = None
         done = torch.ones(1, device=self.device)
         started = time.monotonic()
         label = f"the completion check after broadcasting {what}"
