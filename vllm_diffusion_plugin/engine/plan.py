@@ -11,11 +11,17 @@ reads can differ from what is planned here for those parameters; the totals of t
   nothing elsewhere; ``rank_local`` this rank's rows of each sharded DiT parameter (``rank_local.shard_rows``, the
   split the load itself uses), whole tensors for what FSDP2 replicates (``hsdp.unshardable``) and for buffers, and
   every other component whole.
-- host memory our load adds (device ``cpu``): ``full``/``broadcast`` hold each DiT whole (its final dtypes) plus
-  the local shards FSDP2 copies out of it; ``rank_local`` holds the local shards only. Add the normalized LoRA
-  factors of the component's files and the largest transient (a LoRA row chunk ``lora_device_chunk_mb``, a
-  broadcast bucket ``hsdp_broadcast_bucket_mb``, or the all-gather of the largest FSDP block when the model first
-  runs). Components load one after the other; the full-size copies of a component are gone once it is sharded.
+- host memory our load adds (device ``cpu``), phase by phase as the load runs. LoRA: the files as read beside
+  their normalized factors while preparing, then the factors and one delta chunk (``lora_device_chunk_mb``; under
+  ``rank_local`` a chunk of this rank's rows). ``full`` holds each component whole (viewing its files' mappings
+  where dtypes match; a cast tensor is a copy beside its mapped file bytes) plus the LoRA, then, while FSDP2
+  shards it unit by unit, the local shards it copies out until a file's last tensor is sharded and the file's
+  pages go. ``broadcast`` holds it whole plus the staging bucket (``hsdp_broadcast_bucket_mb``; rank 0 also
+  maps the file it reads and fuses the LoRA) while streaming; the bucket released, each full tensor is freed as
+  its unit is sharded. ``rank_local`` holds the local shards plus the LoRA. Components load one after the
+  other. The first run's all-gather of the largest FSDP block is ``first_run_peak``. Measured against
+  ``load --json`` (peak RSS minus ``baseline_rss_bytes``, taken after the model classes are imported):
+  ``docs/plan-and-memory.md``.
 - accelerator memory (device not ``cpu``): the local shards, plus the larger of the LoRA chunk and the first run's
   largest block all-gather.
 
@@ -24,6 +30,7 @@ Reads no weight byte. Pure functions; no door imports.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -117,16 +124,24 @@ STRATEGY_ORDER = ("full", "broadcast", "rank_local")
 
 @dataclass(frozen=True)
 class _Shape:
-    """What the plan needs of one component: per tensor (checkpoint bytes, final bytes, rows, sharded)."""
+    """What the plan needs of one component: per tensor (checkpoint bytes, final bytes, rows, sharded), and for
+    the order ``full``'s sharding frees its files in, per tensor (file index, FSDP unit index)."""
 
     name: str
     is_dit: bool
     tensors: dict[str, tuple[int, int, int, bool]]
+    order: dict[str, tuple[int, int]]
+    """Tensor -> (its file's index, the step of ``hsdp.apply_hsdp`` that shards it: blocks deepest first, root last)."""
     blocks: tuple[int, ...]
     """Bytes (final dtypes) of each FSDP block; the root's remainder is one more."""
     lora_bytes: int
+    """The normalized LoRA factors (held while fusing)."""
+    lora_file_bytes: int
+    """The LoRA files as read (held beside the normalized factors while they are prepared)."""
     lora_largest: int
     """Bytes of the largest ``B @ A`` delta (final dtype), bounded by the LoRA chunk."""
+    largest_file: int
+    """The largest checkpoint file's tensor bytes: what a reader's mapping of one file holds at most."""
 
 
 def parse_size(text: str) -> int:
@@ -162,11 +177,20 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             tensors[key] = (info.nbytes, t.numel() * t.element_size(), t.shape[0] if t.dim() else 0,
                             key in params and not unshardable(t))
     blocks: tuple[int, ...] = ()
+    files = {key: i for i, f in enumerate(source.files) for key in source.keys_in(f)}
+    order = {key: (files[key], 0) for key in tensors}
     if is_dit:
         modules = dict(module.named_modules())
         names = select_blocks(module, pattern=options.hsdp_block_pattern).names
         blocks = tuple(sum(p.numel() * p.element_size() for p in modules[n].parameters()) for n in names)
+        position = {name: i for i, name in enumerate(modules)}
+        steps = sorted(names, key=position.__getitem__, reverse=True)  # apply_hsdp's order, the root after them
+        for key in tensors:
+            step = next((i for i, n in enumerate(steps) if key.startswith(f"{n}.")), len(steps))
+            order[key] = (files[key], step)
     lora_bytes = largest = 0
+    lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
+    largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
     for lora in prepare_lora_files(module, lora_files, strict=options.lora_strict, component=source.name):
         for name, delta in lora.deltas.items():
             parts = [delta.A, delta.B, delta.bias_delta, delta.full_delta]
@@ -174,7 +198,35 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             weight = params.get(f"{name}.weight", params.get(name))
             if weight is not None:
                 largest = max(largest, weight.numel() * weight.element_size())
-    return _Shape(source.name, is_dit, tensors, blocks, lora_bytes, largest)
+    return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, largest_file)
+
+
+def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) -> int:
+    """What a load holds above the whole component while FSDP2 shards it, step by step: each step copies out
+    its tensors' local shards and drops their full tensors. ``maps_files`` (``full``): a tensor viewing its
+    file's mapping (same dtype) frees nothing until every such tensor of that file is dropped, then the whole
+    file's pages go; otherwise (``broadcast``, casts) each full tensor is freed at its step."""
+    mapped: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    for key, (ckpt, final, _, _) in shape.tensors.items():
+        if maps_files and ckpt == final:
+            file = shape.order[key][0]
+            mapped[file] = mapped.get(file, 0) + ckpt
+            pending[file] = pending.get(file, 0) + 1
+    above = peak = 0
+    for step in sorted({s for _, s in shape.order.values()}):
+        for key in (k for k, (_, s) in shape.order.items() if s == step):
+            ckpt, final, _, _ = shape.tensors[key]
+            above += local_of[key]
+            if not maps_files or ckpt != final:
+                above -= final
+            else:
+                file = shape.order[key][0]
+                pending[file] -= 1
+                if not pending[file]:
+                    above -= mapped[file]
+            peak = max(peak, above)
+    return peak
 
 
 def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sharded: bool,
@@ -183,33 +235,45 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
+    rank_local = runs == "rank_local" and sharded
     whole_read = sum(c for c, _, _, _ in shape.tensors.values())
     whole = sum(f for _, f, _, _ in shape.tensors.values())
-    local_read = local = 0
-    for ckpt, final, rows, shard in shape.tensors.values():
+    local_read, local_of = 0, {}
+    for key, (ckpt, final, rows, shard) in shape.tensors.items():
         if sharded and shard and rows:
             start, stop = shard_rows(rows, size=shard_size, index=index)
             local_read += ckpt // rows * (stop - start)
-            local += final // rows * (stop - start)
+            local_of[key] = final // rows * (stop - start)
         else:
-            local_read, local = local_read + ckpt, local + final
-    rank_local = runs == "rank_local" and sharded
+            local_read, local_of[key] = local_read + ckpt, final
+    local = sum(local_of.values())
     if runs == "broadcast":
         bytes_read = whole_read if rank == 0 else 0
     else:
         bytes_read = local_read if rank_local else whole_read
     held = local if sharded else whole
-    chunk = min(options.lora_device_chunk_mb * MIB, shape.lora_largest) if shape.lora_bytes else 0
-    lora = shape.lora_bytes if (runs != "broadcast" or rank == 0 or rank_local) else 0
-    bucket = options.hsdp_broadcast_bucket_mb * MIB if runs == "broadcast" else 0
-    transients = {"lora_device_chunk_mb": chunk if lora else 0, "hsdp_broadcast_bucket_mb": min(bucket, whole)}
+    largest = -(-shape.lora_largest // shard_size) if rank_local else shape.lora_largest  # rank_local: its rows
+    chunk = min(options.lora_device_chunk_mb * MIB, largest) if shape.lora_bytes else 0
+    fuses = shape.lora_bytes and (runs != "broadcast" or rank == 0 or rank_local)
+    # the LoRA files beside their normalized factors while preparing, then the factors and one delta chunk
+    lora = max(shape.lora_file_bytes + shape.lora_bytes, shape.lora_bytes + chunk) if fuses else 0
+    bucket = min(options.hsdp_broadcast_bucket_mb * MIB, whole) if runs == "broadcast" else 0
+    transients = {"lora_device_chunk_mb": chunk if fuses else 0, "hsdp_broadcast_bucket_mb": bucket}
     transient = max(transients, key=transients.get)
+    shards = local if sharded and not on_device else 0  # FSDP2's local copies beside the whole component
     if rank_local:
-        host = (0 if on_device else local) + lora + transients[transient]
-        device = local + (chunk if lora else 0)
-    else:  # the whole component on the host, then its local shards (on the device, or beside it on the host)
-        host = whole + (local if sharded and not on_device else 0) + lora + transients[transient]
-        device = held + (chunk if lora else 0)
+        host = (0 if on_device else local) + lora
+        device = local + (chunk if fuses else 0)
+    elif runs == "broadcast":  # the staging bucket while streaming (rank 0 also maps the file it reads and
+        # fuses), then, the bucket released, the local shards copied out of the whole component
+        host = whole + max(bucket + (shape.largest_file + lora if rank == 0 else 0),
+                           _shard_peak(shape, local_of, maps_files=False) if shards else 0)
+        device = held + (chunk if fuses else 0)
+    else:  # full: the whole component, viewing its files' mappings where the dtypes match (a cast tensor is a copy,
+        # its file pages stay mapped beside it), fused; then its local shards copied out of it
+        cast = sum(c for c, f, _, _ in shape.tensors.values() if c != f)
+        host = whole + cast + max(lora, _shard_peak(shape, local_of, maps_files=True) if shards else 0)
+        device = held + (chunk if fuses else 0)
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
                          transients[transient])
     return plan, host, device
