@@ -56,6 +56,8 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
 LORA_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                 "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 SHARD_BYTES = 5 * 10**9
+WRITER_VERSION = 2
+"""Part of the cache key of ``--out-dir``: bump it when what ``write_pipeline`` writes or records changes."""
 DTYPE = torch.bfloat16
 STRATEGIES = ("rank_local", "full", "broadcast")
 LABELS = {"rank_local": "ours: rank_local", "full": "vllm-omni own load (= full)",
@@ -186,7 +188,7 @@ def write_pipeline(root: Path, *, transformer: dict = WAN_A14B, vae: dict | None
     """Write the sparse pipeline folder under ``root`` (``root/pipeline``, ``root/loras``) unless a complete one is
     there (``root/manifest.json`` written last, naming what was built). Returns the manifest."""
     manifest_path = root / "manifest.json"
-    wanted = {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "lora_rank": lora_rank,
+    wanted = {"writer": WRITER_VERSION, "transformer": transformer, "vae": vae, "text_encoder": text_encoder, "lora_rank": lora_rank,
               "shard_bytes": shard_bytes}
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
