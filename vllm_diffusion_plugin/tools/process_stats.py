@@ -31,7 +31,8 @@ class ProcessStats:
     read_bytes: int = 0
     rchar: int = 0
     at_marks: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Label -> this process's ``peak_rss`` / ``read_bytes`` sampled right after its log line with that mark
+    """Label -> this process's ``peak_rss`` / ``rss`` (VmRSS then) / ``read_bytes`` sampled right after its log line
+    with that mark
     (:class:`GroupSampler` ``marks``; e.g. the end of its load phase, before the warm-up run)."""
 
     def as_dict(self) -> dict:
@@ -93,6 +94,7 @@ class GroupSampler(threading.Thread):
         self.pgid, self.interval_s, self.proc = pgid, interval_s, proc
         self.log, self.marks, self._log_offset = log, dict(marks or {}), 0
         self.seen: dict[int, ProcessStats] = {}
+        self._rss: dict[int, int] = {}
         self._done = threading.Event()
         self._lock = threading.Lock()
 
@@ -122,6 +124,7 @@ class GroupSampler(threading.Thread):
             now = read_process(pid, self.proc)
             if now is None:
                 continue
+            rss = now.max_sampled_rss  # this sample's VmRSS, before the maxima are carried over
             with self._lock:
                 old = self.seen.get(pid)
                 if old is not None:
@@ -130,11 +133,13 @@ class GroupSampler(threading.Thread):
                     now.read_bytes, now.rchar = max(now.read_bytes, old.read_bytes), max(now.rchar, old.rchar)
                     now.at_marks = old.at_marks
                 self.seen[pid] = now
+                self._rss[pid] = rss
         with self._lock:
             for pid, label in marked:
                 if pid in self.seen and label not in self.seen[pid].at_marks:
                     stats = self.seen[pid]
-                    stats.at_marks[label] = {"peak_rss": stats.peak_rss, "read_bytes": stats.read_bytes}
+                    stats.at_marks[label] = {"peak_rss": stats.peak_rss, "rss": self._rss.get(pid, 0),
+                                             "read_bytes": stats.read_bytes}
 
     def run(self) -> None:
         while not self._done.is_set():

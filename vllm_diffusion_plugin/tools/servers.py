@@ -60,6 +60,8 @@ class ServerSpec:
     dtype: str = "float32"
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for the server and its workers."""
+    cgroup: Path | None = None
+    """A cgroup folder (its ``cgroup.procs``) the server starts in, with every process it forks (a memory limit)."""
 
 
 @dataclass
@@ -179,9 +181,11 @@ def launch(spec: ServerSpec, logdir: Path, *, cpu: bool) -> tuple[subprocess.Pop
     logdir.mkdir(parents=True, exist_ok=True)
     run = ServerRun(name=spec.name, command=server_command(spec, port), log=logdir / f"{spec.name}.log")
     with open(run.log, "w") as log_file:
+        procs = None if spec.cgroup is None else str(spec.cgroup / "cgroup.procs")
+        join = None if procs is None else lambda: Path(procs).write_text(str(os.getpid()))  # in the child
         proc = subprocess.Popen(run.command, env=server_env(plugin=spec.plugin, cpu=cpu, extra=spec.env),
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=join)
     run.pid = proc.pid
     return proc, run, port
 

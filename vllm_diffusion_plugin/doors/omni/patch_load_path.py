@@ -207,7 +207,10 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
     from vllm_diffusion_plugin.doors.omni import load_path
     from vllm_diffusion_plugin.engine.report import ComponentReport
 
+    from vllm_diffusion_plugin.engine.report import status_memory
+
     state = getattr(loader, STATE_ATTR, None) or _prepare(loader, "default")
+    state["report"].baseline_rss_bytes = status_memory().get("VmRSS", 0)  # pipeline built, no weight byte read
     options = state["options"]
     omni_sources = list(sources if sources is not None else loader._get_weight_sources(model))
     if not omni_sources:
@@ -309,4 +312,5 @@ def _log_reports(state: dict[str, Any], components: list[str], *, total_s: float
     peak = peak_rss_bytes()  # this worker's high-water mark up to the end of its load
     for name in components:
         component = by_name.get(name) or ComponentReport(name=name, class_name="?")
-        logger.info("%s total_s=%.3f peak_rss=%d", report_line(report, component), total_s, peak)
+        logger.info("%s total_s=%.3f peak_rss=%d baseline_rss=%d", report_line(report, component), total_s, peak,
+                    report.baseline_rss_bytes)
