@@ -1,0 +1,333 @@
+"""Capacity: vllm-omni's own HSDP load against ours (``rank_local``) inside one memory limit, and how each scales.
+
+Real ``vllm serve DIR --omni`` servers on the CPU platform (the ``[omni]`` environment), on the pipeline of
+``bench_serve_startup.py``: Wan2.2 at A14B width (dim 5120, ffn 13824) with ``--blocks`` blocks per transformer,
+bf16, one rank-64 LightX2V distill LoRA per transformer, tiny text encoder and VAE. Settings, each with
+``--use-hsdp --hsdp-shard-size S`` when S > 1 and both LoRAs (``--lora-path H L --lora-backend distill``):
+
+- ``omni``: vllm-omni's own load (every rank reads and fuses the whole DiTs, then ``apply_hsdp_to_model``);
+- ``omni-broadcast``: the same with ``--enable-broadcast-weight-load``;
+- ``ours``: ``--load-format diffusion-hsdp`` with ``hsdp_weight_load=rank_local`` (at S = 1 it runs as ``full``).
+
+Two runs (``--runs``):
+
+- ``limit``: at ``--blocks`` and S = ``--shard-size``, every setting inside the same memory limit
+  (``--limit-gib``), set by a memory cgroup the benchmark creates under its own cgroup, starts the whole server
+  in (API server, engine, workers) and removes afterwards (cgroup v1 ``memory`` or v2 with the memory
+  controller; root needed, "unavailable" said otherwise). An out-of-memory kill in the group (its ``oom_kill``
+  counter) stops the server and is reported as ``oom``, never a crash of the benchmark.
+- ``scaling``: at ``--scaling-blocks`` and each S of ``--scaling-sizes``, ``omni`` and ``ours``, inside a safety
+  limit (this host's RAM minus 2 GiB) only.
+
+Per server: served a video or not (``oom`` / ``failed`` with the error), ready seconds, and per worker its
+baseline (its RSS before the first weight byte: for ours the ``baseline_rss`` of our door's report line, taken
+once vllm-omni has built the pipeline; for vllm-omni's own load, which logs nothing there, its RSS when
+``load_model`` began: the RSS at its "Model loading took X GiB" line minus X, RSS on our CPU platform), its peak RSS at the end of its load (``VmHWM`` sampled right after that line,
+before vllm-omni's warm-up run) and over its life (the warm-up's FSDP all-gathers and activations included), the
+sums over workers and the cgroup's own peak. For ``ours`` also the plan (``engine.plan.plan_load`` for the same
+folder, LoRAs and S: the CLI's ``rank_local``, which binds q/k/v one by one where vllm-omni stacks them) against
+the measured load peak above the baseline. Goals (ratios in one run): under the limit ours serves and vllm-omni's
+own loads do not; at every S ours' load peak per worker <= baseline + 1.15 x DiT bytes / S; plan within 15%.
+
+    python benchmarks/bench_capacity.py --out-dir /tmp/bench-capacity [--runs limit,scaling] [--blocks 4]
+        [--shard-size 2] [--limit-gib 17] [--scaling-blocks 1] [--scaling-sizes 1,2,4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from bench_serve_startup import _dit_bytes, build, worker_rank  # noqa: E402
+
+from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
+
+SETTINGS = ("omni", "omni-broadcast", "ours")
+GiB = 1024 ** 3
+
+
+# ---- the memory limit -------------------------------------------------------------------------------------
+class MemoryLimit:
+    """A memory cgroup of ``limit`` bytes under this process's own (v1 ``memory`` or v2), created on enter and
+    removed on exit; ``oom_kills()`` counts the kernel's OOM kills inside it, ``peak()`` its peak usage."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit, self.name, self.path, self.v2 = limit, name, None, False
+
+    @staticmethod
+    def _own(controller: str) -> str | None:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controller in controllers.split(",") or (controller == "" and controllers == ""):
+                return path
+        return None
+
+    def __enter__(self) -> "MemoryLimit":
+        v1_root, own = Path("/sys/fs/cgroup/memory"), self._own("memory")
+        if (v1_root / "memory.limit_in_bytes").is_file() and own is not None:
+            self.path = v1_root / own.lstrip("/") / self.name
+            self.path.mkdir()
+            (self.path / "memory.limit_in_bytes").write_text(str(self.limit))
+            with contextlib.suppress(OSError):  # no swap accounting: the limit alone
+                (self.path / "memory.memsw.limit_in_bytes").write_text(str(self.limit))
+            return self
+        own = self._own("")
+        for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+            controllers = root / "cgroup.controllers"
+            if own is not None and controllers.is_file() and "memory" in controllers.read_text().split():
+                parent = root / own.lstrip("/")
+                (parent / "cgroup.subtree_control").write_text("+memory")
+                self.path, self.v2 = parent / self.name, True
+                self.path.mkdir()
+                (self.path / "memory.max").write_text(str(self.limit))
+                (self.path / "memory.swap.max").write_text("0")
+                return self
+        raise OSError("no memory cgroup controller this process may use (cgroup v1 'memory' or v2 'memory')")
+
+    def oom_kills(self) -> int:
+        text = (self.path / ("memory.events" if self.v2 else "memory.oom_control")).read_text()
+        return int(dict(line.split() for line in text.splitlines()).get("oom_kill", 0))
+
+    def peak(self) -> int | None:
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.path / name).read_text())
+        return None
+
+    def pids(self) -> list[int]:
+        return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+
+    def __exit__(self, *exc) -> None:
+        if self.path is None:
+            return
+        for _ in range(100):  # the server is stopped; its last processes may still be exiting
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                for pid in self.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.2)
+        print(f"warning: could not remove {self.path}", file=sys.stderr)
+
+
+class OomWatch(threading.Thread):
+    """Kills every process of ``limit``'s group at its first OOM kill, so a server missing a worker ends now
+    rather than at its ready timeout."""
+
+    def __init__(self, limit: MemoryLimit) -> None:
+        super().__init__(daemon=True)
+        self.limit, self.killed, self._done = limit, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.5):
+            self.killed = self.limit.oom_kills()
+            if self.killed:
+                for pid in self.limit.pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join(5)
+        return max(self.killed, self.limit.oom_kills())
+
+
+# ---- settings ---------------------------------------------------------------------------------------------
+def spec_for(setting: str, size: int, pipeline: Path, loras: list[Path], *, name: str, cgroup: Path,
+             init_timeout_s: int) -> sv.ServerSpec:
+    args = ["--init-timeout", str(init_timeout_s), "--stage-init-timeout", str(init_timeout_s),
+            "--lora-path", *map(str, loras), "--lora-backend", "distill"]
+    if size > 1:
+        args += ["--use-hsdp", "--hsdp-shard-size", str(size)]
+    if setting == "omni-broadcast":
+        args.append("--enable-broadcast-weight-load")
+    elif setting == "ours":
+        args += ["--load-format", "diffusion-hsdp"]
+        if size > 1:
+            args += ["--additional-config", json.dumps({"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})]
+    elif setting != "omni":
+        raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
+    return sv.ServerSpec(name, pipeline, plugin=setting == "ours", args=tuple(args), dtype="bfloat16",
+                         env={"VLLM_DIFFUSION_OMNI_CPU_DEVICES": str(max(2, size))}, cgroup=cgroup)
+
+
+def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list[Path], *, limit: int,
+               logs: Path, timeout_s: float) -> dict:
+    name = f"{setting}-S{size}-{blocks}blocks-{limit / GiB:g}GiB"
+    row: dict = {"name": name, "setting": setting, "S": size, "blocks": blocks, "limit": limit, "status": "failed",
+                 "log": str(logs / f"{name}.log")}
+    print(f"[{name}] starting", flush=True)
+    try:
+        with MemoryLimit(limit, f"vllm-diffusion-capacity-{os.getpid()}") as group:
+            watch = OomWatch(group)
+            watch.start()
+            try:
+                spec = spec_for(setting, size, pipeline, loras, name=name, cgroup=group.path,
+                                init_timeout_s=int(timeout_s))
+                run = sv.serve(spec, logs, cpu=True, ready_timeout_s=timeout_s, request_timeout_s=timeout_s,
+                               sample_s=0.2)
+                row |= {"status": "served", "ready_s": round(run.ready_s, 1), "first_s": round(run.first_answer_s, 1)}
+            except sv.ServerError as exc:
+                run = exc.run
+                row["error"] = str(exc).splitlines()[0][:300]
+            finally:
+                kills = watch.stop()
+                row |= {"oom_kills": kills, "cgroup_peak": group.peak()}
+                if kills:
+                    row["status"] = "oom"
+    except OSError as exc:
+        row |= {"status": "unavailable", "error": f"memory limit: {exc}"}
+        print(f"[{name}] {row['error']}", flush=True)
+        return row
+    if run is not None:
+        row["workers"] = _workers(run)
+    w = row.get("workers", {})
+    print(f"[{name}] {row['status']}" + (f" ({row.get('error', '')[:160]})" if row["status"] != "served" else "")
+          + (f"; load peak per worker {max(v['load_peak'] or 0 for v in w.values()) / GiB:.2f} GiB" if w else ""),
+          flush=True)
+    return row
+
+
+def _workers(run: sv.ServerRun) -> dict[int, dict]:
+    """Per worker rank: ``load_start`` (its RSS when vllm-omni's ``load_model`` began: the RSS at its "Model
+    loading took X GiB" line minus X), ``baseline`` (ours: the RSS our door logs once the pipeline is built,
+    before its first weight byte; vllm-omni's own load: ``load_start``), load-end and life peaks."""
+    text = run.log_text()
+    loads = {v["pid"]: v for v in sv.worker_load_times(text).values()}
+    first_byte = {int(r["rank"]): int(r["baseline_rss"]) for r in sv.load_reports(text) if "baseline_rss" in r}
+    out = {}
+    for p in run.workers:
+        mark, rank = p.at_marks.get("loaded", {}), worker_rank(p.title)
+        gib = loads.get(p.pid, {}).get("model_gib")
+        start = int(mark["rss"] - gib * GiB) if mark and gib is not None else None
+        out[rank] = {"baseline": first_byte.get(rank, start), "load_start": start, "load_peak": mark.get("peak_rss"),
+                     "life_peak": p.peak_rss}
+    return dict(sorted(out.items()))
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------
+def planned(pipeline: Path, loras: list[Path], size: int) -> dict[int, int]:
+    """Host peak per rank that ``plan`` gives our rank_local load of this folder at S = ``size``."""
+    import torch
+
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    plan = plan_load(str(pipeline), options=LoadOptions(), lora_specs=[LoraSpec(p) for p in loras],
+                     world_size=size, hsdp=HSDPConfig(replicate_size=1, shard_size=size) if size > 1 else None,
+                     dtype=torch.bfloat16, device_type="cpu")
+    strategy = "rank_local" if size > 1 else "full"
+    return {r.rank: r.host_peak for r in plan.ranks if r.strategy == strategy}
+
+
+# ---- judging and printing ---------------------------------------------------------------------------------
+def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], dict[int, int]]) -> list[dict]:
+    goals = []
+    limited = [r for r in rows if r["run"] == "limit"]
+    if limited:
+        ours = [r for r in limited if r["setting"] == "ours"]
+        theirs = [r for r in limited if r["setting"] != "ours"]
+        goals.append({"goal": f"under {limited[0]['limit'] / GiB:g} GiB ours serves, vllm-omni's own loads do not",
+                      "pass": all(r["status"] == "served" for r in ours) and bool(theirs)
+                      and all(r["status"] == "oom" for r in theirs),
+                      "detail": ", ".join(f"{r['setting']}: {r['status']}" for r in limited)})
+    for r in rows:
+        if r["setting"] != "ours" or not r.get("workers"):
+            continue
+        per_s = dit[r["blocks"]] / r["S"]
+        for rank, w in r["workers"].items():
+            if w["baseline"] is None or w["load_peak"] is None:
+                continue
+            added = w["load_peak"] - w["baseline"]
+            goals.append({"goal": f"{r['name']} rank {rank}: load peak <= baseline + 1.15 x DiT/S",
+                          "ratio": added / per_s, "pass": added <= 1.15 * per_s})
+            plan = plans.get((r["blocks"], r["S"]), {}).get(rank)
+            if plan:
+                goals.append({"goal": f"{r['name']} rank {rank}: plan within 15% of the measured load peak",
+                              "ratio": plan / added, "pass": abs(plan - added) <= 0.15 * added})
+    return goals
+
+
+def table(rows: list[dict], goals: list[dict]) -> str:
+    def g(v):
+        return "-" if v is None else f"{v / GiB:.2f}"
+
+    lines = [f"{'server':<42} {'status':<8} {'ready s':>7} {'baseline':>9} {'load peak':>10} {'life peak':>10} "
+             f"{'sum load/life':>14} {'cgroup peak':>11}   (GiB, largest worker)"]
+    for r in rows:
+        w = list(r.get("workers", {}).values())
+        top = max(w, key=lambda x: x["load_peak"] or 0) if w else {}
+        sums = (g(sum(x["load_peak"] or 0 for x in w)) + "/" + g(sum(x["life_peak"] or 0 for x in w))) if w else "-"
+        lines.append(f"{r['name']:<42} {r['status']:<8} {r.get('ready_s', '-')!s:>7} {g(top.get('baseline')):>9} "
+                     f"{g(top.get('load_peak')):>10} {g(top.get('life_peak')):>10} {sums:>14} "
+                     f"{g(r.get('cgroup_peak')):>11}")
+    for goal in goals:
+        ratio = f"{goal['ratio']:.2f}x " if "ratio" in goal else ""
+        lines.append(f"  {goal['goal']}: {ratio}{'PASS' if goal['pass'] else 'FAIL'}"
+                     + (f" ({goal['detail']})" if "detail" in goal else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-capacity"),
+                        help="pipelines (shared with bench_serve_startup's layout), logs and results.json")
+    parser.add_argument("--runs", default="limit,scaling", help="limit, scaling or limit,scaling")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks per transformer in the limit run")
+    parser.add_argument("--shard-size", type=int, default=2, help="S of the limit run")
+    parser.add_argument("--limit-gib", type=float, default=17.0, help="memory limit of the whole server (GiB)")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="settings of the limit run")
+    parser.add_argument("--scaling-blocks", type=int, default=1)
+    parser.add_argument("--scaling-sizes", default="1,2,4")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per server to be ready / answer")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    runs = [r for r in args.runs.split(",") if r]
+    settings = [s for s in args.settings.split(",") if s]
+    if bad := [r for r in runs if r not in ("limit", "scaling")] + [s for s in settings if s not in SETTINGS]:
+        parser.error(f"unknown run or setting: {bad}")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    safety = host - 2 * GiB
+    plan: list[tuple[str, str, int, int, int]] = []  # (run, setting, S, blocks, limit)
+    if "limit" in runs:
+        plan += [("limit", s, args.shard_size, args.blocks, int(args.limit_gib * GiB)) for s in settings]
+    if "scaling" in runs:
+        plan += [("scaling", s, int(n), args.scaling_blocks, safety)
+                 for n in args.scaling_sizes.split(",") for s in ("omni", "ours")]
+    folders = {b: build(args.out_dir, blocks=b) for b in sorted({p[3] for p in plan})}
+    dit = {b: _dit_bytes(folder) for b, (folder, _) in folders.items()}
+    plans = {(b, n): planned(*folders[b], n) for _, s, n, b, _ in plan if s == "ours"}
+    logs, rows, t0 = args.out_dir / "logs" / time.strftime("%Y%m%d-%H%M%S"), [], time.monotonic()
+    for run, setting, size, blocks, limit in plan:
+        pipeline, loras = folders[blocks]
+        row = one_server(setting, size, blocks, pipeline, loras, limit=limit, logs=logs, timeout_s=args.timeout)
+        rows.append(row | {"run": run, "planned_host_peak": plans.get((blocks, size)) if setting == "ours" else None})
+    goals = judge(rows, dit, plans)
+    result = {"host_bytes": host, "dit_bytes": dit, "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
+              "goals": goals, "rss_method": "VmHWM / VmRSS of each worker sampled every 0.2 s; baseline = VmRSS at "
+                                            "'Model loading took X GiB' minus X (RSS on the CPU platform)"}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(json.dumps(result, indent=1, default=str) if args.json else table(rows, goals))
+    print(f"results: {args.out_dir / 'results.json'}; logs: {logs}", flush=True)
+    return 0 if all(g["pass"] for g in goals) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
