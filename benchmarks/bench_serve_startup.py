@@ -13,10 +13,12 @@ Settings (``--settings`` picks a subset; every one with the same two LoRAs excep
 - ``omni-hsdp2``: vllm-omni's own HSDP load at 2 ranks (``--use-hsdp --hsdp-shard-size 2``), the same LoRAs;
 - ``ours-hsdp2-full`` / ``-broadcast`` / ``-rank_local``: ours at 2 ranks with each ``hsdp_weight_load``.
 
-Each setting runs with a ``warm`` and/or ``cold`` page cache (``--cache``). Cold: before the server starts (none
-is alive then), every file of the checkpoint and the LoRAs gets ``posix_fadvise(POSIX_FADV_DONTNEED)``
-(``tools.pagecache``; ``/proc/sys/vm/drop_caches`` is not used: it drops the whole host's cache); warm: every
-file is read once first. The resident share of those files (``mincore``) is recorded just before each start as
+Each setting runs on each storage kind of ``--storage`` (``benchmarks/storage.py``; ``--cache`` is its old name):
+``warm`` (every file read once first), ``cold`` (before the server starts -- none is alive then -- every file of
+the checkpoint and the LoRAs gets ``posix_fadvise(POSIX_FADV_DONTNEED)``, ``tools.pagecache``;
+``/proc/sys/vm/drop_caches`` is not used: it drops the whole host's cache), ``throttled`` (a copy on a loop
+device whose reads this process and its servers are capped at ``--bandwidth-mbps``) and ``latency`` (a FUSE
+mount delaying every read request by ``--latency-ms``), both cold. A kind the host cannot make is reported. The resident share of those files (``mincore``) is recorded just before each start as
 the evidence. Servers run one at a time (``tools.servers.serve``), the run order rotating by one per repeat.
 
 Figures per server: ``ready_s`` (launch to ``/health``), ``first_s`` (launch to the first answered video
@@ -33,13 +35,14 @@ is recorded with its error and log, and the run goes on. Medians over repeats; t
 Usage (the ``[omni]`` environment)::
 
     python benchmarks/bench_serve_startup.py --out-dir /tmp/bench-serve [--blocks 1] [--repeats 1]
-        [--settings omni-1,ours-1,omni-hsdp2,ours-hsdp2-rank_local] [--cache warm,cold] [--json]
+        [--settings omni-1,ours-1,omni-hsdp2,ours-hsdp2-rank_local] [--storage warm,cold,throttled,latency] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,6 +52,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import storage  # noqa: E402
 from bench_lora_prepare import CONFIG, write_lora  # noqa: E402
 
 from vllm_diffusion_plugin.tools import pagecache  # noqa: E402
@@ -136,9 +140,20 @@ def spec_for(setting: str, cache: str, repeat: int, pipeline: Path, loras: list[
                          env=dict(env or {}))
 
 
+def staged(out: Path, pipeline: Path, loras: list[Path]) -> Path:
+    """One folder holding the pipeline and the LoRA files (hard links), for a storage kind to show whole."""
+    stage = out / f"stage-{pipeline.name}"
+    for src in [*pagecache.files_under([pipeline]), *loras]:
+        dst = stage / src.relative_to(out)
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dst)
+    return stage
+
+
 def prepare_cache(cache: str, paths: list[Path]) -> float:
-    """Evict (cold) or read (warm) every file of ``paths``; the resident share afterwards (0..1)."""
-    if cache == "cold":
+    """Read (warm) or evict (every other storage kind) every file of ``paths``; the resident share afterwards."""
+    if cache != "warm":
         pagecache.evict(paths)
     else:
         for path in pagecache.files_under(paths):
@@ -276,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                         help=f"comma-separated subset of {','.join(SETTINGS)} (or 'all')")
-    parser.add_argument("--cache", default="warm,cold", help="warm, cold or warm,cold")
+    parser.add_argument("--storage", "--cache", dest="storage", default="warm,cold",
+                        help="storage kinds (benchmarks/storage.py): warm, cold, throttled, latency (comma list) or "
+                             "all; each is set up once, every setting runs on it, it is torn down")
+    parser.add_argument("--bandwidth-mbps", type=float, default=200.0, help="'throttled' read cap (MB/s)")
+    parser.add_argument("--latency-ms", type=float, default=4.0, help="'latency' delay per read request")
     parser.add_argument("--ready-timeout", type=float, default=1800.0,
                         help="seconds per server to be ready (and per request); also vllm-omni's --init-timeout and "
                              "--stage-init-timeout")
@@ -286,35 +305,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON (also in results.json)")
     args = parser.parse_args(argv)
     settings = list(SETTINGS) if args.settings == "all" else [s for s in args.settings.split(",") if s]
-    caches = [c for c in args.cache.split(",") if c]
-    if bad := [c for c in caches if c not in ("warm", "cold")]:
-        parser.error(f"--cache: unknown {bad}")
+    try:
+        caches = storage.parse_kinds(args.storage)
+    except ValueError as exc:
+        parser.error(f"--storage: {exc}")
     env = dict(item.split("=", 1) for item in args.server_env)
     pipeline, loras = build(args.out_dir, blocks=args.blocks)
-    paths = [pipeline, *loras]
     for s in settings:
         spec_for(s, "warm", 0, pipeline, loras)  # unknown names stop here, before any server
-    combos = [(s, c) for s in settings for c in caches]
     logs, rows, t0 = args.out_dir / "logs" / time.strftime("%Y%m%d-%H%M%S"), [], time.monotonic()
-    for repeat in range(args.repeats):
-        k = repeat % len(combos)
-        order = combos[k:] + combos[:k]
-        print(f"repeat {repeat + 1}/{args.repeats}, order: {', '.join(f'{s}-{c}' for s, c in order)}", flush=True)
-        for i, (setting, cache) in enumerate(order):
-            spec = spec_for(setting, cache, repeat, pipeline, loras, env=env, init_timeout_s=int(args.ready_timeout))
-            row = one_server(spec, logs, cache=cache, paths=paths, ready_timeout_s=args.ready_timeout)
-            row |= {"setting": setting, "repeat": repeat, "order": i}
-            rows.append(row)
-            if row["ok"]:
-                peak = max((w["peak_rss"] for w in row["workers"].values()), default=0)
-                print(f"[{spec.name}] ready {row['ready_s']:.1f} s, first video {row['first_s']:.1f} s, "
-                      f"peak worker RSS {peak / GiB:.2f} GiB", flush=True)
+    stage, unavailable, notes = staged(args.out_dir, pipeline, loras), {}, {}
+    for cache in caches:
+        try:
+            with storage.open_storage(cache, stage, workdir=args.out_dir / "storage",
+                                      bandwidth_mbps=args.bandwidth_mbps, latency_ms=args.latency_ms) as st:
+                notes[cache] = st.note
+                seen = (st.path / pipeline.name, [st.path / p.name for p in loras])
+                for repeat in range(args.repeats):
+                    k = repeat % len(settings)
+                    order = settings[k:] + settings[:k]
+                    print(f"{cache}, repeat {repeat + 1}/{args.repeats}, order: {', '.join(order)}", flush=True)
+                    for i, setting in enumerate(order):
+                        spec = spec_for(setting, cache, repeat, *seen, env=env, init_timeout_s=int(args.ready_timeout))
+                        row = one_server(spec, logs, cache=cache, paths=[seen[0], *seen[1]],
+                                         ready_timeout_s=args.ready_timeout)
+                        rows.append(row | {"setting": setting, "repeat": repeat, "order": i})
+                        if row["ok"]:
+                            peak = max((w["peak_rss"] for w in row["workers"].values()), default=0)
+                            print(f"[{spec.name}] ready {row['ready_s']:.1f} s, first video {row['first_s']:.1f} s, "
+                                  f"peak worker RSS {peak / GiB:.2f} GiB", flush=True)
+        except storage.Unavailable as exc:
+            unavailable[cache] = str(exc)
+            print(f"storage {cache}: unavailable on this host: {exc}", flush=True)
     summary = summarize(rows)
     goal_rows = goals(summary, caches)
     result = {"pipeline": str(pipeline), "blocks": args.blocks, "dtype": "bfloat16", "repeats": args.repeats,
               "dit_bytes": _dit_bytes(pipeline), "lora_bytes": sum(p.stat().st_size for p in loras),
               "cold_method": "posix_fadvise(POSIX_FADV_DONTNEED) per file, checked with mincore",
               "rss_method": "VmHWM of each process in the server's process group, sampled every 0.2 s",
+              "storage": notes, "unavailable": unavailable,
               "wall_s": round(time.monotonic() - t0, 1), "summary": summary, "goals": goal_rows, "runs": rows}
     logs.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps(result, indent=1) + "\n")
