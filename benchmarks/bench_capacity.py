@@ -22,7 +22,7 @@ Two runs (``--runs``):
 Per server: served a video or not (``oom`` / ``failed`` with the error), ready seconds, and per worker its
 baseline (its RSS before the first weight byte: for ours the ``baseline_rss`` of our door's report line, taken
 once vllm-omni has built the pipeline; for vllm-omni's own load, which logs nothing there, its RSS when
-``load_model`` began: the RSS at its "Model loading took X GiB" line minus X, RSS on our CPU platform), its peak RSS at the end of its load (``VmHWM`` sampled right after that line,
+``load_model`` began, logged by our CPU platform), its peak RSS at the end of its load (``VmHWM`` sampled right after that line,
 before vllm-omni's warm-up run) and over its life (the warm-up's FSDP all-gathers and activations included), the
 sums over workers and the cgroup's own peak. For ``ours`` also the plan (``engine.plan.plan_load`` for the same
 folder, LoRAs and S: the CLI's ``rank_local``, which binds q/k/v one by one where vllm-omni stacks them) against
@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -54,6 +55,9 @@ from bench_serve_startup import _dit_bytes, build, worker_rank  # noqa: E402
 from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
 
 SETTINGS = ("omni", "omni-broadcast", "ours")
+LOAD_START = re.compile(r"\(\w+ pid=(\d+)\).*worker RSS before its model load: (\d+) bytes")
+"""Our CPU platform's line (``CpuOmniPlatform.init_diffusion_model_runner_runtime``): a worker's RSS right before
+vllm-omni's ``load_model`` (vLLM's own "Model loading took X GiB" is the host's used memory on a CPU)."""
 GiB = 1024 ** 3
 
 
@@ -203,17 +207,15 @@ def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list
 
 
 def _workers(run: sv.ServerRun) -> dict[int, dict]:
-    """Per worker rank: ``load_start`` (its RSS when vllm-omni's ``load_model`` began: the RSS at its "Model
-    loading took X GiB" line minus X), ``baseline`` (ours: the RSS our door logs once the pipeline is built,
+    """Per worker rank: ``load_start`` (its RSS when vllm-omni's ``load_model`` began, logged by our CPU
+    platform), ``baseline`` (ours: the RSS our door logs once the pipeline is built,
     before its first weight byte; vllm-omni's own load: ``load_start``), load-end and life peaks."""
     text = run.log_text()
-    loads = {v["pid"]: v for v in sv.worker_load_times(text).values()}
+    starts = {int(pid): int(rss) for pid, rss in LOAD_START.findall(text)}
     first_byte = {int(r["rank"]): int(r["baseline_rss"]) for r in sv.load_reports(text) if "baseline_rss" in r}
     out = {}
     for p in run.workers:
-        mark, rank = p.at_marks.get("loaded", {}), worker_rank(p.title)
-        gib = loads.get(p.pid, {}).get("model_gib")
-        start = int(mark["rss"] - gib * GiB) if mark and gib is not None else None
+        mark, rank, start = p.at_marks.get("loaded", {}), worker_rank(p.title), starts.get(p.pid)
         out[rank] = {"baseline": first_byte.get(rank, start), "load_start": start, "load_peak": mark.get("peak_rss"),
                      "life_peak": p.peak_rss}
     return dict(sorted(out.items()))
@@ -320,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row | {"run": run, "planned_host_peak": plans.get((blocks, size)) if setting == "ours" else None})
     goals = judge(rows, dit, plans)
     result = {"host_bytes": host, "dit_bytes": dit, "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
-              "goals": goals, "rss_method": "VmHWM / VmRSS of each worker sampled every 0.2 s; baseline = VmRSS at "
-                                            "'Model loading took X GiB' minus X (RSS on the CPU platform)"}
+              "goals": goals,
+              "rss_method": "VmHWM / VmRSS of each worker sampled every 0.2 s; baseline: ours from our door's "
+                            "baseline_rss, vllm-omni's own load the RSS our CPU platform logs before load_model"}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(json.dumps(result, indent=1, default=str) if args.json else table(rows, goals))

@@ -126,6 +126,22 @@ def test_peak_memory_follows_an_allocation_and_resets():
     assert CpuOmniPlatform.max_memory_allocated() < before + size // 2
 
 
+def test_each_worker_says_its_own_rss_right_before_its_model_load():
+    """vLLM's CPU "Model loading took X GiB" is the host's used memory (every worker and the page cache); the
+    capacity benchmark needs each worker's own RSS where vllm-omni's runner starts ``load_model``."""
+    import re
+
+    from vllm_diffusion_plugin.engine.report import status_memory
+    from vllm_diffusion_plugin.testing.logs import captured_logs
+
+    with captured_logs("vllm_diffusion_plugin.doors.omni.cpu.platform") as records:
+        CpuOmniPlatform.init_diffusion_model_runner_runtime(vllm_config=None, od_config=None,
+                                                            device=torch.device("cpu"))
+    (line,) = [m for m in records.messages(level=20) if "before its model load" in m]
+    said = int(re.search(r"RSS before its model load: (\d+) bytes", line)[1])
+    assert abs(said - status_memory()["VmRSS"]) < 64 * 2**20, line
+
+
 # --- attention -----------------------------------------------------------------------------------------------
 def test_backend_selection():
     assert CpuOmniPlatform.get_diffusion_attn_backend_cls(None, 64) == ATTENTION_BACKEND

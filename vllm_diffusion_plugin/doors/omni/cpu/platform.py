@@ -8,7 +8,7 @@ omni platform, each found by running a real server:
 - a device count (each rank is one CPU "device"; see :func:`device_count`) and ``torch.device("cpu")``;
 - no-op ``set_device`` / ``synchronize`` / ``empty_cache`` (vLLM's ``Platform.__getattr__`` answers None
   for names ``torch.cpu`` lacks, so a missing one fails as "'NoneType' object is not callable");
-- memory figures: free/total from psutil (host RAM); the per-request peak (``max_memory_reserved`` /
+- memory figures: free/total from psutil (host RAM); each worker's RSS right before its model load, logged; the per-request peak (``max_memory_reserved`` /
   ``max_memory_allocated``) is the process's peak RSS, reset by ``reset_peak_memory_stats`` through
   Linux's ``/proc/self/clear_refs`` where the kernel allows it;
 - diffusion attention through torch SDPA (:mod:`.attention`);
@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from vllm.platforms.cpu import CpuPlatform
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 from vllm_diffusion_plugin import envs
+from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.doors.omni import _patching
+
+logger = init_logger(__name__)
 
 ATTENTION_BACKEND = "vllm_diffusion_plugin.doors.omni.cpu.attention.CpuSDPABackend"
 SUPPORTED_ATTENTION = ("TORCH_SDPA", "SDPA")
@@ -88,6 +92,15 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
         # worker whose thread would die on its first output (the server would hang until --init-timeout).
         require_patches_applied()
         return super().get_diffusion_worker_cls()
+
+    @classmethod
+    def init_diffusion_model_runner_runtime(cls, *args: Any, **kwargs: Any) -> None:
+        # vllm-omni's runner calls this right before its load_model. vLLM's CPU memory figure ("Model loading
+        # took X GiB") is the host's used memory, all workers together; this worker's own RSS is said here.
+        from vllm_diffusion_plugin.engine.report import status_memory
+
+        logger.info("CPU platform: worker RSS before its model load: %d bytes", status_memory().get("VmRSS", 0))
+        super().init_diffusion_model_runner_runtime(*args, **kwargs)
 
     @classmethod
     def get_omni_ar_worker_cls(cls) -> str:
