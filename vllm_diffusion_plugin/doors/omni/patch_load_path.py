@@ -211,6 +211,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
 
     state = getattr(loader, STATE_ATTR, None) or _prepare(loader, "default")
     state["report"].baseline_rss_bytes = status_memory().get("VmRSS", 0)  # pipeline built, no weight byte read
+    # (rank_local resets it once the DiTs are released to meta: rank_local.load_model)
     options = state["options"]
     omni_sources = list(sources if sources is not None else loader._get_weight_sources(model))
     if not omni_sources:
@@ -267,7 +268,8 @@ def _wrap_load_model_with_hsdp(original):
         if not uses_diffusion_hsdp(self) or state is None or state["strategy"] != "rank_local":
             return original(self, target_device, load_format, custom_pipeline_name, *args, **kwargs)
         model = rank_local.load_model(self, functools.partial(prepare_dits, self), target_device=target_device,
-                                      load_format=load_format, custom_pipeline_name=custom_pipeline_name)
+                                      load_format=load_format, custom_pipeline_name=custom_pipeline_name,
+                                      report=state["report"])
         _mark_fused(self, model)
         return model
 

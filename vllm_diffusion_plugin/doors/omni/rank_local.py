@@ -261,10 +261,12 @@ def _memory(step: str) -> None:
 
 
 def load_model(loader: Any, prepare, *, target_device: torch.device | None, load_format: str,
-               custom_pipeline_name: Any) -> nn.Module:
+               custom_pipeline_name: Any, report: Any = None) -> nn.Module:
     """vllm-omni's HSDP load of a pipeline with every DiT read rank-locally (see the module doc).
 
-    ``prepare(model)``: the pipeline's DiT sources as ``load_path.DitSource`` (resolved, LoRA validated)."""
+    ``prepare(model)``: the pipeline's DiT sources as ``load_path.DitSource`` (resolved, LoRA validated).
+    ``report`` (a ``LoadReport``): its ``baseline_rss_bytes`` is this rank's RSS once the DiTs vllm-omni built are
+    released to ``meta`` (its construction initializes some of their layers: ~0.47 GB per A14B-width DiT)."""
     from torch.distributed.tensor import DTensor
     from vllm_omni.diffusion.distributed.hsdp import HSDPInferenceConfig
     from vllm_omni.diffusion.offloader.module_collector import ModuleDiscovery
@@ -289,6 +291,10 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
     _memory("DiTs released to meta")
+    if report is not None:
+        from vllm_diffusion_plugin.engine.report import status_memory
+
+        report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
     bindings, loaded = trace_bindings(model, dits)
     _memory("bindings traced")
     if whole:  # e.g. FLUX.1's T5 encoder: not sharded by vllm-omni, so every rank reads all of it
