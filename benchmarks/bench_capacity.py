@@ -152,7 +152,7 @@ class OomWatch(threading.Thread):
 
 # ---- settings ---------------------------------------------------------------------------------------------
 def spec_for(setting: str, size: int, pipeline: Path, loras: list[Path], *, name: str, cgroup: Path,
-             init_timeout_s: int) -> sv.ServerSpec:
+             init_timeout_s: int, env: dict[str, str] | None = None) -> sv.ServerSpec:
     args = ["--init-timeout", str(init_timeout_s), "--stage-init-timeout", str(init_timeout_s),
             "--lora-path", *map(str, loras), "--lora-backend", "distill"]
     if size > 1:
@@ -166,12 +166,12 @@ def spec_for(setting: str, size: int, pipeline: Path, loras: list[Path], *, name
     elif setting != "omni":
         raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
     return sv.ServerSpec(name, pipeline, plugin=setting == "ours", args=tuple(args), dtype="bfloat16",
-                         env={"VLLM_DIFFUSION_OMNI_CPU_DEVICES": str(max(2, size))}, cgroup=cgroup)
+                         env={**(env or {}), "VLLM_DIFFUSION_OMNI_CPU_DEVICES": str(max(2, size))}, cgroup=cgroup)
 
 
 def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list[Path], *, limit: int,
-               logs: Path, timeout_s: float) -> dict:
-    name = f"{setting}-S{size}-{blocks}blocks-{limit / GiB:g}GiB"
+               logs: Path, timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    name = f"{setting}-S{size}-{blocks}blocks-{limit / GiB:.1f}GiB"
     row: dict = {"name": name, "setting": setting, "S": size, "blocks": blocks, "limit": limit, "status": "failed",
                  "log": str(logs / f"{name}.log")}
     print(f"[{name}] starting", flush=True)
@@ -181,7 +181,7 @@ def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list
             watch.start()
             try:
                 spec = spec_for(setting, size, pipeline, loras, name=name, cgroup=group.path,
-                                init_timeout_s=int(timeout_s))
+                                init_timeout_s=int(timeout_s), env=env)
                 run = sv.serve(spec, logs, cpu=True, ready_timeout_s=timeout_s, request_timeout_s=timeout_s,
                                sample_s=0.2)
                 row |= {"status": "served", "ready_s": round(run.ready_s, 1), "first_s": round(run.first_answer_s, 1)}
@@ -245,7 +245,7 @@ def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], di
     if limited:
         ours = [r for r in limited if r["setting"] == "ours"]
         theirs = [r for r in limited if r["setting"] != "ours"]
-        goals.append({"goal": f"under {limited[0]['limit'] / GiB:g} GiB ours serves, vllm-omni's own loads do not",
+        goals.append({"goal": f"under {limited[0]['limit'] / GiB:.1f} GiB ours serves, vllm-omni's own loads do not",
                       "pass": all(r["status"] == "served" for r in ours) and bool(theirs)
                       and all(r["status"] == "oom" for r in theirs),
                       "detail": ", ".join(f"{r['setting']}: {r['status']}" for r in limited)})
@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scaling-blocks", type=int, default=1)
     parser.add_argument("--scaling-sizes", default="1,2,4")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per server to be ready / answer")
+    parser.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for every server (VLLM_LOGGING_LEVEL=DEBUG: our rank_local load logs "
+                             "its RSS per step)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     logs, rows, t0 = args.out_dir / "logs" / time.strftime("%Y%m%d-%H%M%S"), [], time.monotonic()
     for run, setting, size, blocks, limit in plan:
         pipeline, loras = folders[blocks]
-        row = one_server(setting, size, blocks, pipeline, loras, limit=limit, logs=logs, timeout_s=args.timeout)
+        row = one_server(setting, size, blocks, pipeline, loras, limit=limit, logs=logs, timeout_s=args.timeout,
+                         env=dict(item.split("=", 1) for item in args.server_env))
         rows.append(row | {"run": run, "planned_host_peak": plans.get((blocks, size)) if setting == "ours" else None})
     goals = judge(rows, dit, plans)
     result = {"host_bytes": host, "dit_bytes": dit, "wall_s": round(time.monotonic() - t0, 1), "rows": rows,

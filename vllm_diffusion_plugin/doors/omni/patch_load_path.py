@@ -144,7 +144,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
     from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, read_threads, weight_load_strategy
     from vllm_diffusion_plugin.engine.pipeline import World
-    from vllm_diffusion_plugin.engine.report import LoadReport
+    from vllm_diffusion_plugin.engine.report import LoadReport, status_memory
 
     od_config = loader.od_config
     options = omni_load_options(loader)
@@ -170,6 +170,9 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     state = {"options": options, "strategy": strategy,
              "report": LoadReport(rank=world.rank, world_size=world.world_size, strategy=strategy,
                                    read_threads=options.threads)}
+    # before vllm-omni builds the pipeline: full/broadcast fill the DiTs it builds (some of their layers it
+    # initializes); rank_local frees them and takes its own once they are on meta (rank_local.load_model)
+    state["report"].baseline_rss_bytes = status_memory().get("VmRSS", 0)
     setattr(loader, STATE_ATTR, state)
     return state
 
@@ -207,11 +210,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
     from vllm_diffusion_plugin.doors.omni import load_path
     from vllm_diffusion_plugin.engine.report import ComponentReport
 
-    from vllm_diffusion_plugin.engine.report import status_memory
-
     state = getattr(loader, STATE_ATTR, None) or _prepare(loader, "default")
-    state["report"].baseline_rss_bytes = status_memory().get("VmRSS", 0)  # pipeline built, no weight byte read
-    # (rank_local resets it once the DiTs are released to meta: rank_local.load_model)
     options = state["options"]
     omni_sources = list(sources if sources is not None else loader._get_weight_sources(model))
     if not omni_sources:
