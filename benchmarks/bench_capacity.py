@@ -20,10 +20,10 @@ Two runs (``--runs``):
   limit (this host's RAM minus 2 GiB) only.
 
 Per server: served a video or not (``oom`` / ``failed`` with the error), ready seconds, and per worker its
-baseline (its RSS before the first weight byte: for ours the ``baseline_rss`` of our door's report line, taken
-once vllm-omni has built the pipeline; for vllm-omni's own load, which logs nothing there, its RSS when
-``load_model`` began, logged by our CPU platform), its peak RSS at the end of its load (``VmHWM`` sampled right after that line,
-before vllm-omni's warm-up run) and over its life (the warm-up's FSDP all-gathers and activations included), the
+baseline (ours: the ``baseline_rss`` of our door's report line, under ``rank_local`` its RSS once the DiTs
+vllm-omni built are released to ``meta``, before the first weight byte; vllm-omni's own load, which logs
+nothing there: its RSS when ``load_model`` began, logged by our CPU platform), its peak RSS at the end of its
+load (``VmHWM`` sampled right after vllm-omni's "Model loading took" line, before its warm-up run) and over its life (the warm-up's FSDP all-gathers and activations included), the
 sums over workers and the cgroup's own peak. For ``ours`` also the plan (``engine.plan.plan_load`` for the same
 folder, LoRAs and S: the CLI's ``rank_local``, which binds q/k/v one by one where vllm-omni stacks them) against
 the measured load peak above the baseline. Goals (ratios in one run): under the limit ours serves and vllm-omni's
@@ -208,8 +208,8 @@ def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list
 
 def _workers(run: sv.ServerRun) -> dict[int, dict]:
     """Per worker rank: ``load_start`` (its RSS when vllm-omni's ``load_model`` began, logged by our CPU
-    platform), ``baseline`` (ours: the RSS our door logs once the pipeline is built,
-    before its first weight byte; vllm-omni's own load: ``load_start``), load-end and life peaks."""
+    platform), ``baseline`` (ours: our door's ``baseline_rss``; vllm-omni's own
+    load: ``load_start``), load-end and life peaks."""
     text = run.log_text()
     starts = {int(pid): int(rss) for pid, rss in LOAD_START.findall(text)}
     first_byte = {int(r["rank"]): int(r["baseline_rss"]) for r in sv.load_reports(text) if "baseline_rss" in r}
