@@ -209,3 +209,22 @@ def test_bad_input_is_one_error_line(tiny_wan_dir, tmp_path, capsys, args, match
     assert cli.main(["plan", *(a.format(**fill) for a in args), *COMMON]) == 1
     (line,) = error_lines(capsys.readouterr().err)
     assert match.format(**fill) in line, line
+
+
+def test_plan_device_peak_within_15_percent_of_the_fake_accelerators(wide_dit, fake_accelerator):
+    """A load onto an accelerator (the fake one, which counts its live bytes) with a LoRA fused there: the most
+    it held at once against the plan's device peak, within 15%."""
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    dit, lora = wide_dit
+    options, specs, device = LoadOptions(), [LoraSpec(lora)], fake_accelerator.device
+    planned = plan_load(str(dit), options=options, lora_specs=specs, dtype=torch.bfloat16, device_type=device.type)
+    (rank,) = [r for r in planned.ranks if r.strategy == "full"]
+    fake_accelerator.reset_counters()
+    loaded = load_components(dit, options=options, device=device, dtype=torch.bfloat16, lora_specs=specs)
+    assert loaded.report.components[0].lora_compute_device == str(device)  # the LoRA was fused there
+    measured = fake_accelerator.peak_bytes
+    assert measured > 3e8, measured  # the DiT's bytes
+    assert abs(rank.device_peak - measured) <= 0.15 * measured, (rank.device_peak, measured)

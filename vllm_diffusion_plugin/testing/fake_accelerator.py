@@ -35,6 +35,9 @@ etc. gets ``torch.fakeacc``, which has them).
 PrivateUse1 can be renamed once per process, so ``fakeacc`` cannot coexist with another
 PrivateUse1 backend (e.g. torch_npu) in one process; :func:`install` raises if one is present.
 
+Memory: ``memory_allocated()`` is the bytes of live device storages; ``peak_bytes`` the most live at once
+since ``reset_counters`` (taken at every allocation).
+
 Counter semantics: ``h2d_bytes`` counts bytes landing on the device (destination dtype),
 ``d2h_bytes`` bytes leaving it (source dtype); ``.item()`` is a D2H copy of one element;
 ``op_counts`` counts every aten op the device handled, by schema name (``"aten::mm"``), including
@@ -115,15 +118,16 @@ class FakeAccelerator:
         """What ``torch.fakeacc.is_available()`` answers. The ``fake_accelerator`` fixture sets it only for
         the duration of a test, so code that looks for "the local accelerator" sees none elsewhere."""
         self._storages: dict[int, _Backing] = {}
-        self._sweep_at = 64
         self.reset_counters()
         self.clear_failures()
 
     # -- counters and failure switches (the test-facing API) ------------------------------------
     def reset_counters(self) -> None:
-        """Zero every counter."""
+        """Zero every counter; the peak restarts from the bytes live now."""
         self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = self.allocations = 0
         self.op_counts: Counter[str] = Counter()
+        self.peak_bytes = self.memory_allocated()
+        """The most bytes live on the device at once since the last reset (taken at each allocation)."""
 
     def fail_probe(self) -> contextlib.AbstractContextManager:
         """Make every device allocation raise a driver-like ``RuntimeError`` (a failing probe).
@@ -156,7 +160,6 @@ class FakeAccelerator:
         for ptr, backing in list(self._storages.items()):
             if backing.device_ref.expired():
                 del self._storages[ptr]
-        self._sweep_at = 2 * len(self._storages) + 64
 
     def _register(self, host: torch.UntypedStorage) -> torch.UntypedStorage:
         """Make a new device storage backed by ``host`` (an owning CPU storage); count an allocation."""
@@ -174,8 +177,7 @@ class FakeAccelerator:
         storage = torch._C._construct_storage_from_data_pointer(ptr, self.device, nbytes)
         self._storages[ptr] = _Backing(StorageWeakRef(storage), host, nbytes)
         self.allocations += 1
-        if len(self._storages) >= self._sweep_at:
-            self._sweep()
+        self.peak_bytes = max(self.peak_bytes, self.memory_allocated())  # sweeps: what is live right now
         return storage
 
     def _host_storage(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
