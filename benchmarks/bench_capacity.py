@@ -291,9 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/bench-capacity"),
                         help="pipelines (shared with bench_serve_startup's layout), logs and results.json")
     parser.add_argument("--runs", default="limit,scaling", help="limit, scaling or limit,scaling")
-    parser.add_argument("--blocks", type=int, default=4, help="blocks per transformer in the limit run")
+    parser.add_argument("--blocks", type=int, default=6, help="blocks per transformer in the limit run")
     parser.add_argument("--shard-size", type=int, default=2, help="S of the limit run")
-    parser.add_argument("--limit-gib", type=float, default=17.0, help="memory limit of the whole server (GiB)")
+    parser.add_argument("--limit-gib", type=float, default=19.5, help="memory limit of the whole server (GiB)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="settings of the limit run")
     parser.add_argument("--scaling-blocks", type=int, default=1)
     parser.add_argument("--scaling-sizes", default="1,2,4")

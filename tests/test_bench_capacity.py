@@ -3,12 +3,14 @@ started in it and counts its OOM kill, and each setting asks vllm-omni for the l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -20,12 +22,18 @@ from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
 MiB = 2**20
 
 
-def _limit_or_skip(limit: int) -> cap.MemoryLimit:
+@contextlib.contextmanager
+def _limited(limit: int) -> Iterator[cap.MemoryLimit]:
+    """A memory cgroup of ``limit`` bytes, removed afterwards; the test is skipped where none can be made."""
     group = cap.MemoryLimit(limit, f"vllm-diffusion-capacity-test-{os.getpid()}")
     try:
-        return group.__enter__()
+        group.__enter__()
     except OSError as exc:
         pytest.skip(f"no memory cgroup here: {exc}")
+    try:
+        yield group
+    finally:
+        group.__exit__(None, None, None)
 
 
 def _start_in(group: cap.MemoryLimit, code: str) -> subprocess.Popen:
@@ -35,33 +43,26 @@ def _start_in(group: cap.MemoryLimit, code: str) -> subprocess.Popen:
 
 
 def test_a_process_past_the_limit_is_oom_killed_counted_and_the_group_removed():
-    group = _limit_or_skip(128 * MiB)
-    try:
+    with _limited(128 * MiB) as group:
         watch = cap.OomWatch(group)
         watch.start()
         proc = _start_in(group, "import time; b = bytearray(512 << 20); time.sleep(60)")
         assert proc.wait(timeout=60) == -9
         assert watch.stop() >= 1
-    finally:
-        group.__exit__(None, None, None)
     assert not group.path.exists()
 
 
 def test_a_process_within_the_limit_runs_and_the_peak_is_the_groups():
-    group = _limit_or_skip(512 * MiB)
-    try:
+    with _limited(512 * MiB) as group:
         proc = _start_in(group, "b = bytearray(64 << 20)")
         assert proc.wait(timeout=60) == 0
         assert group.oom_kills() == 0
         assert 64 * MiB <= group.peak() < 512 * MiB
-    finally:
-        group.__exit__(None, None, None)
 
 
 def test_oom_watch_ends_the_whole_group_at_the_first_kill():
     """A server whose worker was killed would wait for its ready timeout; the watch kills the rest at once."""
-    group = _limit_or_skip(160 * MiB)
-    try:
+    with _limited(160 * MiB) as group:
         watch = cap.OomWatch(group)
         watch.start()
         survivor = _start_in(group, "import time; time.sleep(120)")
@@ -69,8 +70,6 @@ def test_oom_watch_ends_the_whole_group_at_the_first_kill():
         _start_in(group, "b = bytearray(512 << 20)")
         assert survivor.wait(timeout=30) == -9 and time.monotonic() - started < 30
         watch.stop()
-    finally:
-        group.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("setting, size, want, absent", [
