@@ -2,7 +2,8 @@
 in its own mount namespace where the checkpoint path is a bind mount of that node's own copy on its own ext4 loop
 device (separate page caches, as separate machines have), each node's processes in its own read-capped cgroup
 (``--bandwidth-mbps``, ``benchmarks/storage.py``). Per strategy (full / broadcast / rank_local) and layout: load
-time and bytes read per node (the CLI's ``--json`` bytes per rank, summed over the node's ranks).
+time (the slowest rank's, with its seconds per phase) and bytes read per node (the CLI's ``--json`` bytes per
+rank, summed over the node's ranks).
 
 Layouts (world = 2 x nproc-per-node; torchrun numbers node n's ranks n*P .. n*P+P-1, the mesh is (replicate,
 shard) row-major, so the shard dim is the inner one):
@@ -100,9 +101,9 @@ def run_once(*, copies: list[tuple[Path, Path]], target: Path, strategy: str, la
             raise RuntimeError(f"{strategy} {layout}: " + "\n".join(errors))
         report = rank0_report(Path(tmp) / "node0")
     per_node = [sum(r["bytes_read"] for r in report["ranks"] if r["rank"] // nproc == n) for n in range(2)]
-    load = max(r["seconds"]["total"] for r in report["ranks"])
-    return {"strategy": strategy, "layout": layout, "wall_s": wall, "load_s_max_rank": load,
-            "bytes_read_per_node": per_node}
+    slowest = max(report["ranks"], key=lambda r: r["seconds"]["total"])
+    return {"strategy": strategy, "layout": layout, "wall_s": wall, "load_s_max_rank": slowest["seconds"]["total"],
+            "phases_s_max_rank": slowest["seconds"], "bytes_read_per_node": per_node}
 
 
 def judge(rows: dict[str, dict], total: int) -> tuple[dict, dict]:
@@ -150,8 +151,10 @@ def main(argv=None) -> dict:
             for j, strategy in enumerate(STRATEGIES):
                 rows[strategy] = run_once(copies=copies, target=target, strategy=strategy, layout=layout,
                                           port=args.port + 3 * i + j, timeout_s=args.timeout_s)
-                _log(f"  {layout} {strategy}: load {rows[strategy]['load_s_max_rank']:.1f} s, bytes per node "
-                     f"{[round(b / 1e9, 2) for b in rows[strategy]['bytes_read_per_node']]} GB")
+                phases = ", ".join(f"{k} {v:.1f}" for k, v in rows[strategy]["phases_s_max_rank"].items()
+                                   if k != "total")
+                _log(f"  {layout} {strategy}: load {rows[strategy]['load_s_max_rank']:.1f} s ({phases}), bytes per "
+                     f"node {[round(b / 1e9, 2) for b in rows[strategy]['bytes_read_per_node']]} GB")
             ratios, goals = judge(rows, total)
             report["layouts"][layout] = {"runs": rows, "ratios": ratios, "goals": goals}
     print(json.dumps(report, indent=2))
