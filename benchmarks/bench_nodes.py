@@ -14,7 +14,8 @@ shard) row-major, so the shard dim is the inner one):
 Goals (from issue 28): rank_local reads <= 0.55x the DiT bytes per node and loads >= 1.8x faster than full;
 broadcast in between. Needs root, losetup, mkfs.ext4, unshare and a cgroup io/blkio controller (see README).
 
-    python benchmarks/bench_nodes.py [--size-gb 1] [--layouts 2x1,2x2-S4,2x2-R2S2] [--bandwidth-mbps 200] [--json]
+    python benchmarks/bench_nodes.py [--size-gb 1] [--layouts 2x1,2x2-S4,2x2-R2S2] [--bandwidth-mbps 200]
+                                     [--repeats 1] [--json]
 
 On two real machines, without namespaces or caps, run on each node (NODE = 0 or 1, HEAD = node 0's address):
 
@@ -125,6 +126,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/vllm-diffusion-bench"))
     parser.add_argument("--layouts", default="2x1,2x2-S4,2x2-R2S2")
     parser.add_argument("--bandwidth-mbps", type=float, default=200.0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per strategy and layout; the row is the run of median load time")
     parser.add_argument("--port", type=int, default=29511)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per run (both nodes)")
     parser.add_argument("--json", action="store_true")
@@ -133,6 +136,8 @@ def main(argv=None) -> dict:
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
         parser.error(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     folder = ensure_checkpoint(args.out_dir, args.size_gb)
     total = sum(p.stat().st_size for p in files_under([folder]))
     target = Path(tempfile.mkdtemp(prefix="node-ckpt-", dir=args.out_dir))
@@ -149,8 +154,11 @@ def main(argv=None) -> dict:
         for i, layout in enumerate(layouts):
             rows = {}
             for j, strategy in enumerate(STRATEGIES):
-                rows[strategy] = run_once(copies=copies, target=target, strategy=strategy, layout=layout,
-                                          port=args.port + 3 * i + j, timeout_s=args.timeout_s)
+                runs = [run_once(copies=copies, target=target, strategy=strategy, layout=layout,
+                                 port=args.port + 3 * (args.repeats * i + r) + j, timeout_s=args.timeout_s)
+                        for r in range(args.repeats)]
+                runs.sort(key=lambda run: run["load_s_max_rank"])
+                rows[strategy] = {**runs[len(runs) // 2], "load_s_runs": [run["load_s_max_rank"] for run in runs]}
                 phases = ", ".join(f"{k} {v:.1f}" for k, v in rows[strategy]["phases_s_max_rank"].items()
                                    if k != "total")
                 _log(f"  {layout} {strategy}: load {rows[strategy]['load_s_max_rank']:.1f} s ({phases}), bytes per "
