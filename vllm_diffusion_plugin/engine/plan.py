@@ -214,18 +214,17 @@ def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) ->
             mapped[file] = mapped.get(file, 0) + ckpt
             pending[file] = pending.get(file, 0) + 1
     above = peak = 0
-    for step in sorted({s for _, s in shape.order.values()}):
-        for key in (k for k, (_, s) in shape.order.items() if s == step):
-            ckpt, final, _, _ = shape.tensors[key]
-            above += local_of[key]
-            if not maps_files or ckpt != final:
-                above -= final
-            else:
-                file = shape.order[key][0]
-                pending[file] -= 1
-                if not pending[file]:
-                    above -= mapped[file]
-            peak = max(peak, above)
+    for key in sorted(shape.order, key=lambda k: shape.order[k][1]):  # step by step (stable within a step)
+        ckpt, final, _, _ = shape.tensors[key]
+        above += local_of[key]
+        if not maps_files or ckpt != final:
+            above -= final
+        else:
+            file = shape.order[key][0]
+            pending[file] -= 1
+            if not pending[file]:
+                above -= mapped[file]
+        peak = max(peak, above)
     return peak
 
 
@@ -260,20 +259,18 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     bucket = min(options.hsdp_broadcast_bucket_mb * MIB, whole) if runs == "broadcast" else 0
     transients = {"lora_device_chunk_mb": chunk if fuses else 0, "hsdp_broadcast_bucket_mb": bucket}
     transient = max(transients, key=transients.get)
-    shards = local if sharded and not on_device else 0  # FSDP2's local copies beside the whole component
+    copies_shards = sharded and not on_device  # FSDP2's local copies beside the whole component, on the host
+    device = held + (chunk if fuses else 0)
     if rank_local:
         host = (0 if on_device else local) + lora
-        device = local + (chunk if fuses else 0)
     elif runs == "broadcast":  # the staging bucket while streaming (rank 0 also maps the file it reads and
         # fuses), then, the bucket released, the local shards copied out of the whole component
         host = whole + max(bucket + (shape.largest_file + lora if rank == 0 else 0),
-                           _shard_peak(shape, local_of, maps_files=False) if shards else 0)
-        device = held + (chunk if fuses else 0)
+                           _shard_peak(shape, local_of, maps_files=False) if copies_shards else 0)
     else:  # full: the whole component, viewing its files' mappings where the dtypes match (a cast tensor is a copy,
         # its file pages stay mapped beside it), fused; then its local shards copied out of it
         cast = sum(c for c, f, _, _ in shape.tensors.values() if c != f)
-        host = whole + cast + max(lora, _shard_peak(shape, local_of, maps_files=True) if shards else 0)
-        device = held + (chunk if fuses else 0)
+        host = whole + cast + max(lora, _shard_peak(shape, local_of, maps_files=True) if copies_shards else 0)
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
                          transients[transient])
     return plan, host, device
