@@ -37,9 +37,7 @@ def _limited(limit: int) -> Iterator[cap.MemoryLimit]:
 
 
 def _start_in(group: cap.MemoryLimit, code: str) -> subprocess.Popen:
-    procs = group.path / "cgroup.procs"
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
-                            preexec_fn=lambda: procs.write_text(str(os.getpid())))
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, preexec_fn=sv.joining(group.path))
 
 
 def test_a_process_past_the_limit_is_oom_killed_counted_and_the_group_removed():

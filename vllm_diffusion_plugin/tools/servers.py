@@ -175,14 +175,20 @@ def signals_held():
             signal.signal(sig, handler)
 
 
+def joining(cgroup: Path) -> Callable[[], None]:
+    """A ``preexec_fn`` that puts the child into ``cgroup`` (writes its pid to ``cgroup.procs``) before it execs,
+    so every process it forks is in the group too."""
+    procs = str(cgroup / "cgroup.procs")
+    return lambda: Path(procs).write_text(str(os.getpid()))
+
+
 def launch(spec: ServerSpec, logdir: Path, *, cpu: bool) -> tuple[subprocess.Popen, ServerRun, int]:
     """Start the server in a new session (its own process group), stdout and stderr to ``logdir/<name>.log``."""
     port = free_port()
     logdir.mkdir(parents=True, exist_ok=True)
     run = ServerRun(name=spec.name, command=server_command(spec, port), log=logdir / f"{spec.name}.log")
     with open(run.log, "w") as log_file:
-        procs = None if spec.cgroup is None else str(spec.cgroup / "cgroup.procs")
-        join = None if procs is None else lambda: Path(procs).write_text(str(os.getpid()))  # in the child
+        join = None if spec.cgroup is None else joining(spec.cgroup)
         proc = subprocess.Popen(run.command, env=server_env(plugin=spec.plugin, cpu=cpu, extra=spec.env),
                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=join)
