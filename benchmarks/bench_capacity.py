@@ -23,14 +23,15 @@ Per server: served a video or not (``oom`` / ``failed`` with the error), ready s
 baseline (ours: the ``baseline_rss`` of our door's report line, under ``rank_local`` its RSS once the DiTs
 vllm-omni built are released to ``meta``, before the first weight byte; vllm-omni's own load, which logs
 nothing there: its RSS when ``load_model`` began, logged by our CPU platform), its peak RSS at the end of its
-load (``VmHWM`` sampled right after vllm-omni's "Model loading took" line, before its warm-up run) and over its life (the warm-up's FSDP all-gathers and activations included), the
-sums over workers and the cgroup's own peak. For ``ours`` also the plan (``engine.plan.plan_load`` for the same
-folder, LoRAs and S: the CLI's ``rank_local``, which binds q/k/v one by one where vllm-omni stacks them) against
-the measured load peak above the baseline. Goals (ratios in one run): under the limit ours serves and vllm-omni's
-own loads do not; at every S ours' load peak per worker <= baseline + 1.15 x DiT bytes / S; plan within 15%.
+load (``VmHWM`` sampled right after vllm-omni's "Model loading took" line, before its warm-up run) and over its
+life (the warm-up's FSDP all-gathers and activations included), the sums over workers and the cgroup's own peak.
+For ``ours`` also the plan (``engine.plan.plan_load`` for the same folder, LoRAs and S: the CLI's ``rank_local``,
+which binds q/k/v one by one where vllm-omni stacks them) against the measured load peak above the baseline.
+Goals (ratios in one run): under the limit ours serves and vllm-omni's own loads do not; at every S ours' load
+peak per worker <= baseline + 1.15 x DiT bytes / S; plan within 15%.
 
-    python benchmarks/bench_capacity.py --out-dir /tmp/bench-capacity [--runs limit,scaling] [--blocks 4]
-        [--shard-size 2] [--limit-gib 17] [--scaling-blocks 1] [--scaling-sizes 1,2,4] [--json]
+    python benchmarks/bench_capacity.py --out-dir /tmp/bench-capacity [--runs limit,scaling] [--blocks 6]
+        [--shard-size 2] [--limit-gib 19.5] [--scaling-blocks 1] [--scaling-sizes 1,2,4] [--json]
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ class MemoryLimit:
             return int((self.path / name).read_text())
         return None
 
-    def pids(self) -> list[int]:
-        return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+    def kill_all(self) -> None:
+        """SIGKILL every process in the group."""
+        for pid in (int(p) for p in (self.path / "cgroup.procs").read_text().split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def __exit__(self, *exc) -> None:
         if self.path is None:
@@ -120,9 +124,7 @@ class MemoryLimit:
                 self.path.rmdir()
                 return
             except OSError:
-                for pid in self.pids():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                self.kill_all()
                 time.sleep(0.2)
         print(f"warning: could not remove {self.path}", file=sys.stderr)
 
@@ -139,9 +141,7 @@ class OomWatch(threading.Thread):
         while not self._done.wait(0.5):
             self.killed = self.limit.oom_kills()
             if self.killed:
-                for pid in self.limit.pids():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                self.limit.kill_all()
                 return
 
     def stop(self) -> int:
