@@ -18,8 +18,9 @@ Each setting runs on each storage kind of ``--storage`` (``benchmarks/storage.py
 the checkpoint and the LoRAs gets ``posix_fadvise(POSIX_FADV_DONTNEED)``, ``tools.pagecache``;
 ``/proc/sys/vm/drop_caches`` is not used: it drops the whole host's cache), ``throttled`` (a copy on a loop
 device whose reads this process and its servers are capped at ``--bandwidth-mbps``) and ``latency`` (a FUSE
-mount delaying every read request by ``--latency-ms``), both cold. A kind the host cannot make is reported. The resident share of those files (``mincore``) is recorded just before each start as
-the evidence. Servers run one at a time (``tools.servers.serve``), the run order rotating by one per repeat.
+mount delaying every read request by ``--latency-ms``), both cold. A kind the host cannot make is reported. The
+resident share of those files (``mincore``) is recorded just before each start as the evidence. Servers run one
+at a time (``tools.servers.serve``), the run order rotating by one per repeat.
 
 Figures per server: ``ready_s`` (launch to ``/health``), ``first_s`` (launch to the first answered video
 request: weights that fault in lazily show here), the workers' load phase (vllm-omni's "Model loading took"

@@ -188,8 +188,8 @@ def write_pipeline(root: Path, *, transformer: dict = WAN_A14B, vae: dict | None
     """Write the sparse pipeline folder under ``root`` (``root/pipeline``, ``root/loras``) unless a complete one is
     there (``root/manifest.json`` written last, naming what was built). Returns the manifest."""
     manifest_path = root / "manifest.json"
-    wanted = {"writer": WRITER_VERSION, "transformer": transformer, "vae": vae, "text_encoder": text_encoder, "lora_rank": lora_rank,
-              "shard_bytes": shard_bytes}
+    wanted = {"writer": WRITER_VERSION, "transformer": transformer, "vae": vae, "text_encoder": text_encoder,
+              "lora_rank": lora_rank, "shard_bytes": shard_bytes}
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("wanted") == json.loads(json.dumps(wanted)):

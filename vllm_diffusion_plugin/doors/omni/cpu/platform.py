@@ -8,9 +8,9 @@ omni platform, each found by running a real server:
 - a device count (each rank is one CPU "device"; see :func:`device_count`) and ``torch.device("cpu")``;
 - no-op ``set_device`` / ``synchronize`` / ``empty_cache`` (vLLM's ``Platform.__getattr__`` answers None
   for names ``torch.cpu`` lacks, so a missing one fails as "'NoneType' object is not callable");
-- memory figures: free/total from psutil (host RAM); each worker's RSS right before its model load, logged; the per-request peak (``max_memory_reserved`` /
-  ``max_memory_allocated``) is the process's peak RSS, reset by ``reset_peak_memory_stats`` through
-  Linux's ``/proc/self/clear_refs`` where the kernel allows it;
+- memory figures: free/total from psutil (host RAM); each worker's RSS right before its model load, logged;
+  the per-request peak (``max_memory_reserved`` / ``max_memory_allocated``) is the process's peak RSS, reset
+  by ``reset_peak_memory_stats`` through Linux's ``/proc/self/clear_refs`` where the kernel allows it;
 - diffusion attention through torch SDPA (:mod:`.attention`);
 - the worker output thread without device streams (patch unit :mod:`.patch_output_stream`), and the
   ``torch.ops._C`` activation kernels vLLM's layers bind on a CPU (:mod:`.patch_activation_ops`), both
