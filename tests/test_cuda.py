@@ -56,13 +56,28 @@ def reference(model: nn.Module, deltas: dict[str, LoraDelta]) -> dict[str, torch
     return ref
 
 
-def assert_reference(model: nn.Module, ref: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def rounded_once_bound(weight: torch.Tensor, delta: LoraDelta, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What ``W + s * B @ A`` accumulated in fp32 and rounded once to ``dtype`` may differ from the exact ``ref``
+    by, per element: half an ulp of the result plus twice the fp32 accumulation error of a rank-r sum.
+
+    A bound relative to ``|ref|`` alone (one ulp) is wrong where the sum cancels: the exact single-rounding result
+    misses ``|ref| * 2**-7`` at 2-3 elements of each of this file's bf16 weights (computed on the CPU from the same
+    seeds), which is what failed on the H200. This bound admits none of them and rejects the delta rounded to
+    bf16 before the add (a second rounding) at ~18% of the elements (``test_the_bound_rejects_a_second_rounding``)."""
+    accumulated = weight.double().abs() + abs(delta.scale) * (delta.B.double().abs() @ delta.A.double().abs())
+    return ref.abs() * torch.finfo(dtype).eps / 2 + 2 * (delta.rank + 2) * 2**-24 * accumulated
+
+
+def assert_reference(model: nn.Module, ref: dict[str, torch.Tensor], dtype: torch.dtype,
+                     before: dict[str, torch.Tensor] | None = None, deltas: dict[str, LoraDelta] | None = None) -> None:
     for name, mod in model.named_children():
         got = mod.weight.detach().double()
         if dtype == torch.float32:
             torch.testing.assert_close(got, ref[name], rtol=1e-5, atol=1e-6, msg=name)
-        else:  # rounded once (fp32 accumulation in cuBLAS): within one bf16 ulp of the exact result
-            assert ((got - ref[name]).abs() <= ref[name].abs() * 2**-7).all(), name
+        else:  # rounded once (fp32 accumulation): within half an ulp plus the accumulation error
+            bad = int(((got - ref[name]).abs() > rounded_once_bound(before[name], deltas[name], ref[name], dtype))
+                      .sum())
+            assert bad == 0, f"{name}: {bad} elements are not the single rounding of the exact sum"
 
 
 @pytest.fixture
@@ -80,10 +95,12 @@ def test_cpu_weights_are_fused_through_cuda_and_equal_the_float64_reference(dtyp
     model = linears((2048, 1024), (1024, 2048), (4096, 1024), dtype=dtype)
     deltas = deltas_for(model, dtype=dtype)
     ref = reference(model, deltas)
-    stats = fuse_lora(model, deltas, chunk_mb=4)  # several chunks per weight
+    before = {name: mod.weight.detach().clone() for name, mod in model.named_children()}
+    with lora_side("device"):  # this test pins the through-device path, whatever this host's timings prefer
+        stats = fuse_lora(model, deltas, chunk_mb=4)  # several chunks per weight
     assert stats.compute_device == str(CUDA) and stats.cpu_kernel is None and stats.fallbacks == 0
     assert all(p.device.type == "cpu" for p in model.parameters())  # fused in place, still on the host
-    assert_reference(model, ref, dtype)
+    assert_reference(model, ref, dtype, before, deltas)
 
 
 def test_a_cuda_oom_mid_call_moves_that_tensor_to_the_cpu_path_once(tf32_off):

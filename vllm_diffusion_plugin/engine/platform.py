@@ -125,3 +125,36 @@ def empty_cache(device: torch.device | str) -> None:
     if device.type == "cpu" or module is None or not hasattr(module, "empty_cache"):
         return
     module.empty_cache()
+
+
+# ---- asynchronous copies: page-locked host memory, a copy stream, events ------------------------------------
+# Through ``torch.<device type>`` (``torch.cuda``, ``torch.npu`` once torch_npu is imported, ``torch.xpu``), which
+# all name these calls alike; a backend module lacking one makes the caller fall back to synchronous copies.
+
+def pinned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` page-locked host bytes for asynchronous copies to ``device``; raises when they cannot be had.
+
+    A backend module may provide its own ``pinned_empty(nbytes)`` (the test backend ``fakeacc`` does: a Python
+    backend cannot register torch's pinned-memory allocator)."""
+    allocate = getattr(_device_module(device), "pinned_empty", None)
+    if allocate is not None:
+        return allocate(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def new_stream(device: torch.device):
+    """A new stream on ``device`` (for copies that overlap the work on its current stream)."""
+    return _device_module(device).Stream(device=device)
+
+
+def on_stream(device: torch.device, stream):
+    """Context manager: work issued inside runs on ``stream``."""
+    return _device_module(device).stream(stream)
+
+
+def new_event(device: torch.device):
+    return _device_module(device).Event()
+
+
+def current_stream(device: torch.device):
+    return _device_module(device).current_stream(device)

@@ -28,8 +28,9 @@ Like a real accelerator, an op mixing device tensors with non-scalar CPU tensors
 Does not work: FSDP2 *forward*/backward (it needs device streams and ``untyped_storage().resize_``,
 i.e. the C++-only ``resizePrivateUse1Bytes`` hook) -- use multi-process gloo on CPU for HSDP
 numerics; real collectives (the fake process group runs them but returns garbage);
-``pin_memory()``; device RNG generators (device randomness draws from the CPU generator);
-streams/events; ``torch.accelerator.synchronize/empty_cache/memory_allocated`` (they reach C++
+``pin_memory()`` (``torch.fakeacc.pinned_empty`` stands for it); device RNG generators (device randomness
+draws from the CPU generator); the generic ``torch.Stream``/``torch.Event`` (``torch.fakeacc.Stream``/``Event``
+model asynchronous copies instead: :mod:`.fake_streams`); ``torch.accelerator.synchronize/empty_cache/memory_allocated`` (they reach C++
 device-guard/allocator hooks; generic code calling ``getattr(torch, dev.type).synchronize()``
 etc. gets ``torch.fakeacc``, which has them).
 PrivateUse1 can be renamed once per process, so ``fakeacc`` cannot coexist with another
@@ -55,6 +56,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+
+from vllm_diffusion_plugin.testing import fake_streams
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -114,6 +117,8 @@ class FakeAccelerator:
 
     def __init__(self) -> None:
         self.device = torch.device(DEVICE_TYPE, 0)
+        self.pinned = fake_streams.FakePinned()
+        """Page-locked host buffers (``torch.fakeacc.pinned_empty``); see :mod:`.fake_streams`."""
         self.available = False
         """What ``torch.fakeacc.is_available()`` answers. The ``fake_accelerator`` fixture sets it only for
         the duration of a test, so code that looks for "the local accelerator" sees none elsewhere."""
@@ -125,6 +130,9 @@ class FakeAccelerator:
     def reset_counters(self) -> None:
         """Zero every counter; the peak restarts from the bytes live now."""
         self.h2d_copies = self.h2d_bytes = self.d2h_copies = self.d2h_bytes = self.allocations = 0
+        self.h2d_async_bytes = self.d2h_async_bytes = 0
+        """Of those bytes, the ones copied asynchronously: non-blocking, from/to pinned memory, on a side stream."""
+        self.pinned.allocations = 0
         self.op_counts: Counter[str] = Counter()
         self.peak_bytes = self.memory_allocated()
         """The most bytes live on the device at once since the last reset (taken at each allocation)."""
@@ -143,9 +151,16 @@ class FakeAccelerator:
         self._h2d_budget, self._h2d_spent = nbytes, 0
         return _RestoreOnExit(lambda: setattr(self, "_h2d_budget", None))
 
+    def fail_pinned(self) -> contextlib.AbstractContextManager:
+        """Make every page-locked host allocation (``torch.fakeacc.pinned_empty``) raise. Acts at once; ``with``
+        also ends it on exit."""
+        self.pinned.fails = True
+        return _RestoreOnExit(lambda: setattr(self.pinned, "fails", False))
+
     def clear_failures(self) -> None:
         """Turn off every simulated failure."""
         self._probe_fails = False
+        self.pinned.fails = False
         self._h2d_budget: int | None = None
         self._h2d_spent = 0
 
@@ -258,6 +273,9 @@ class FakeAccelerator:
     def _copy_from(self, src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         """``dst.copy_(src)`` where either side is on the device; counts H2D/D2H transfers."""
         self.op_counts["aten::_copy_from"] += 1
+        host_side = dst if _is_dev(src) else src
+        stream = fake_streams.current_stream()
+        deferred = non_blocking and stream is not fake_streams.default_stream() and self.pinned.holds(host_side)
         if not _is_dev(src):
             nbytes = dst.numel() * dst.element_size()
             if self._h2d_budget is not None and self._h2d_spent + nbytes > self._h2d_budget:
@@ -269,11 +287,17 @@ class FakeAccelerator:
             self._h2d_spent += nbytes
             self.h2d_copies += 1
             self.h2d_bytes += nbytes
+            self.h2d_async_bytes += nbytes if deferred else 0
         elif not _is_dev(dst):
             self.d2h_copies += 1
             self.d2h_bytes += dst.numel() * src.element_size()
+            self.d2h_async_bytes += dst.numel() * src.element_size() if deferred else 0
         host_dst = self._host(dst) if _is_dev(dst) else dst
-        host_dst.copy_(self._host(src) if _is_dev(src) else src, non_blocking)
+        host_src = self._host(src) if _is_dev(src) else src
+        if deferred:  # runs when waited for, reading the pinned buffer then (fake_streams' module doc)
+            stream.enqueue(lambda: host_dst.copy_(host_src))
+        else:
+            host_dst.copy_(host_src)
         return dst
 
     def _local_scalar_dense(self, t: torch.Tensor) -> int | float | bool | complex:
@@ -325,7 +349,18 @@ class _DeviceModule:
             raise RuntimeError(f"fakeacc has one device (index 0); got {device!r}")
 
     def synchronize(self, device: object = None) -> None:
-        """Nothing to wait for: every op runs synchronously on the host."""
+        """Run every queued asynchronous copy (all other ops ran synchronously on the host)."""
+        fake_streams.synchronize_all()
+
+    # Streams, events and page-locked memory, modelled in fake_streams (torch.cuda / torch.npu have the same calls)
+    Stream = staticmethod(fake_streams.new_stream)
+    Event = fake_streams.Event
+    stream = staticmethod(fake_streams.stream)
+    current_stream = staticmethod(fake_streams.current_stream)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` host bytes the device treats as page-locked (torch's own pinning needs C++ hooks)."""
+        return self._acc.pinned.empty(nbytes)
 
     def empty_cache(self) -> None:
         self._acc._sweep()

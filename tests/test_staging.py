@@ -1,0 +1,128 @@
+"""Staging onto an accelerator (``engine.reader.DeviceStaging``) with the fake accelerator, whose non-blocking copies
+from page-locked memory on a side stream run only when waited for (``testing.fake_streams``): a buffer refilled
+before its copy completed hands the device the wrong bytes, so these tests see ordering bugs as wrong data."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from vllm_diffusion_plugin.engine import reader
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
+from vllm_diffusion_plugin.testing.logs import captured_logs
+
+MIB = 1 << 20
+
+
+def sources(*numels: int, dtype=torch.bfloat16) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=gen).to(dtype) for n in numels]
+
+
+def staged(tensors, device, staging, *, threads=1, dst_dtype=None):
+    out = [torch.empty(t.shape, dtype=dst_dtype or t.dtype, device=device) for t in tensors]
+    tags = list(staging.copy((reader.StagedCopy(d, t.dtype, reader.tensor_bytes(t), tag=i)
+                              for i, (d, t) in enumerate(zip(out, tensors))), threads=threads))
+    return out, tags
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_every_byte_arrives_in_order_through_a_ring_smaller_than_the_data(fake_accelerator, threads):
+    dev = fake_accelerator.device
+    tensors = sources(3 * MIB, 5, 0, MIB // 2 + 7, 2 * MIB)  # 12.5 MiB bf16 through 4 x 1 MiB buffers
+    staging = reader.DeviceStaging(dev, max_bytes=4 * MIB, slots=4)
+    out, tags = staged(tensors, dev, staging, threads=threads)
+    assert tags == list(range(len(tensors)))  # each tag once all of its bytes were issued, in order
+    for got, want in zip(out, tensors):
+        assert torch.equal(got.cpu(), want)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    assert fake_accelerator.h2d_async_bytes == total  # every byte asynchronously, from pinned memory
+    assert fake_accelerator.pinned.allocations == 4  # the bound: 4 buffers, reused
+
+
+def test_a_buffer_is_refilled_only_after_its_copy_completed(fake_accelerator, monkeypatch):
+    """The fake queues each copy until waited for; without the wait on the buffer's event the ring would hand the
+    device the next chunk's bytes. Shown both ways: the real ring is exact, the ring without the wait is not."""
+    dev = fake_accelerator.device
+    tensors = sources(3 * MIB)
+    out, _ = staged(tensors, dev, reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2))
+    assert torch.equal(out[0].cpu(), tensors[0])
+
+    careless = reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2)
+    monkeypatch.setattr(careless, "_events", _NeverRemembered(2))
+    out, _ = staged(tensors, dev, careless)
+    assert not torch.equal(out[0].cpu(), tensors[0])
+
+
+class _NeverRemembered(list):
+    """An events list that forgets every event: the ring then never waits before refilling a buffer."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__([None] * n)
+
+    def __setitem__(self, index, value) -> None:
+        pass
+
+
+def test_the_current_stream_sees_the_data_once_the_copies_were_issued(fake_accelerator):
+    dev = fake_accelerator.device
+    tensors = sources(MIB)
+    staging = reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2)
+    out, _ = staged(tensors, dev, staging)
+    assert torch.equal((out[0] * 1).cpu(), tensors[0])  # work on the current stream after the copies
+
+
+def test_a_dtype_cast_happens_after_the_copy_and_equals_a_plain_copy(fake_accelerator):
+    dev = fake_accelerator.device
+    tensors = sources(MIB + 3, dtype=torch.float32)
+    out, _ = staged(tensors, dev, reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2), dst_dtype=torch.bfloat16)
+    assert torch.equal(out[0].cpu(), tensors[0].to(torch.bfloat16))
+    assert fake_accelerator.h2d_async_bytes == tensors[0].numel() * 2  # counted in the destination dtype
+
+
+def test_no_pinned_memory_means_no_staging_and_one_log_line(fake_accelerator):
+    reader._fallback_logged.clear()
+    with fake_accelerator.fail_pinned(), captured_logs("vllm_diffusion_plugin.engine.reader", logging.INFO) as logs:
+        assert reader.DeviceStaging.open(fake_accelerator.device) is None
+        assert reader.DeviceStaging.open(fake_accelerator.device) is None
+    lines = logs.messages(logging.INFO)
+    assert len(lines) == 1 and "pageable" in lines[0] and "page-locked" in lines[0], lines
+    moved = reader.to_device(sources(10), fake_accelerator.device, None)  # today's path
+    assert fake_accelerator.h2d_async_bytes == 0 and moved[0].device == fake_accelerator.device
+
+
+def test_nothing_to_stage_for_cpu_targets_or_a_zero_bound(fake_accelerator):
+    assert reader.DeviceStaging.open(torch.device("cpu")) is None
+    assert reader.DeviceStaging.open(fake_accelerator.device, max_bytes=0) is None
+
+
+def test_a_read_error_is_raised_in_order_and_no_copy_is_left_pending(fake_accelerator):
+    dev = fake_accelerator.device
+    tensors = sources(MIB, MIB)
+    out = [torch.empty_like(t, device=dev) for t in tensors]
+
+    def broken(buffer, start):
+        raise CheckpointError("shard.safetensors: error while reading tensor 'w' at byte 7")
+
+    staging = reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2)
+    copies = [reader.StagedCopy(out[0], tensors[0].dtype, reader.tensor_bytes(tensors[0]), tag="a"),
+              reader.StagedCopy(out[1], tensors[1].dtype, broken, tag="b")]
+    seen = []
+    with pytest.raises(CheckpointError, match="shard.safetensors.*byte 7"):
+        for tag in staging.copy(copies, threads=2):
+            seen.append(tag)
+    assert seen == ["a"]
+    assert staging._stream.query()  # drained: every issued copy completed before the error left
+    assert torch.equal(out[0].cpu(), tensors[0])
+    assert not [t for t in threading.enumerate() if t.name.startswith(reader.THREAD_NAME)]
+
+
+def test_a_non_contiguous_destination_is_refused_by_shape(fake_accelerator):
+    dev = fake_accelerator.device
+    dst = torch.empty(4, 6, device=dev).t()
+    staging = reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2)
+    with pytest.raises(ValueError, match=r"non-contiguous \(6, 4\)"):
+        staging.copy_all([reader.StagedCopy(dst, torch.float32, reader.tensor_bytes(torch.zeros(6, 4)))])
