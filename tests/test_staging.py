@@ -126,3 +126,89 @@ def test_a_non_contiguous_destination_is_refused_by_shape(fake_accelerator):
     staging = reader.DeviceStaging(dev, max_bytes=2 * MIB, slots=2)
     with pytest.raises(ValueError, match=r"non-contiguous \(6, 4\)"):
         staging.copy_all([reader.StagedCopy(dst, torch.float32, reader.tensor_bytes(torch.zeros(6, 4)))])
+
+
+# ---- through the load paths: bit-identical to today's (pageable) path -----------------------------------------------
+def state(module) -> dict[str, torch.Tensor]:
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
+            for k, v in module.state_dict().items()}
+
+
+def test_a_full_load_with_a_lora_onto_an_accelerator_arrives_through_the_ring_bit_identical(
+        tiny_wan_dir, tmp_path, fake_accelerator):
+    """``full`` onto the (fake) accelerator: with staging the DiT is built there, every byte crosses
+    asynchronously from pinned memory and the LoRA is fused there; equal, bit for bit, to today's path (built on
+    the host, fused, moved)."""
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+
+    from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
+
+    lora = write_tiny_lora(tmp_path / "lora.safetensors", build_tiny_model("wan"))
+    results = {}
+    for mb in (0, 1):  # 0: today's pageable path; 1 MiB: a ring far smaller than the DiT
+        fake_accelerator.reset_counters()
+        loaded = load_components(tiny_wan_dir, options=LoadOptions(pinned_staging_mb=mb, read_threads=3),
+                                 components=["transformer"], device=fake_accelerator.device, dtype=torch.bfloat16,
+                                 lora_specs=[LoraSpec(lora)])
+        results[mb] = (state(loaded.modules["transformer"]), fake_accelerator.h2d_async_bytes,
+                       loaded.report.components[0].bytes_read)
+    (plain, plain_async, _), (staged, staged_async, read) = results[0], results[1]
+    assert plain.keys() == staged.keys() and all(torch.equal(plain[k], staged[k]) for k in plain)
+    landed = sum(t.numel() * t.element_size() for t in staged.values())  # in the module's dtypes
+    assert plain_async == 0 and read > 0 and staged_async == landed  # every checkpoint tensor through the ring
+
+
+def test_rank_local_rows_on_an_accelerator_come_through_the_ring_bit_identical(tiny_wan_dir, fake_accelerator):
+    """This rank's rows (shard 0 of 2 on a fake mesh) pread into the ring and copied to the local shards equal the
+    rows today's path reads (pageable buffer, blocking copy)."""
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.strategies.rank_local import (
+        identity_bindings,
+        materialize_local_shards,
+        read_bound_rows,
+    )
+    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+
+    (source,) = resolve_checkpoint(tiny_wan_dir, components=["transformer"])
+    got = {}
+    with fake_mesh((1, 2)) as mesh:
+        for staged in (False, True):
+            module = build_component(source, dtype=torch.float32, device="meta")
+            buffers = {n: b for n, b in module.named_buffers()}
+            module.to("meta")
+            apply_hsdp(module, mesh=mesh, config=HSDPConfig(), allow_meta=True)
+            materialize_local_shards(module, fake_accelerator.device, buffers)
+            targets = module.state_dict(keep_vars=True)
+            staging = reader.DeviceStaging(fake_accelerator.device, max_bytes=2 * MIB, slots=2) if staged else None
+            fake_accelerator.reset_counters()
+            _, stats = read_bound_rows(source, identity_bindings(source.tensors, targets), targets, threads=2,
+                                       staging=staging)
+            got[staged] = (state(module), stats.total_bytes, fake_accelerator.h2d_async_bytes)
+    (plain, read, plain_async), (rows, staged_read, staged_async) = got[False], got[True]
+    assert all(torch.equal(plain[k], rows[k]) for k in plain)
+    assert read == staged_read < source.total_bytes and plain_async == 0 and staged_async == read
+
+
+def test_weights_can_be_handed_out_on_the_accelerator_and_errors_name_the_file(tiny_wan_dir, fake_accelerator,
+                                                                                monkeypatch):
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.weights import iterate_weights
+
+    (source,) = resolve_checkpoint(tiny_wan_dir, components=["transformer"])
+    staging = reader.DeviceStaging(fake_accelerator.device, max_bytes=2 * MIB, slots=2)
+    on_host = dict(iterate_weights(source))
+    handed = dict(iterate_weights(source, staging=staging, threads=2))
+    assert handed.keys() == on_host.keys()
+    assert all(t.device == fake_accelerator.device and torch.equal(t.cpu(), on_host[k]) for k, t in handed.items())
+
+    def failing(tensor):
+        def fill(buffer, start):
+            raise OSError(5, "Input/output error")
+        return fill
+
+    monkeypatch.setattr(reader, "tensor_bytes", failing)
+    with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.*error while reading tensor .*Input/output"):
+        list(iterate_weights(source, staging=staging, threads=2))

@@ -152,6 +152,18 @@ ENV_VARS: dict[str, EnvVar] = {
             _parse_int, extra_config_key="read_threads",
         ),
         EnvVar(
+            "VLLM_DIFFUSION_PINNED_STAGING_MB", "int", 256,
+            "Page-locked host memory (MiB) a load onto an accelerator stages its bytes through at most; 0 copies "
+            "from pageable memory.",
+            _parse_int, extra_config_key="pinned_staging_mb",
+        ),
+        EnvVar(
+            "VLLM_DIFFUSION_LORA_HOST_WEIGHTS", "str", "auto",
+            "Where LoRA deltas are fused into host-resident weights when an accelerator is usable: auto (the faster "
+            "path, timed once per process), cpu or device.",
+            _parse_str, extra_config_key="lora_host_weights",
+        ),
+        EnvVar(
             "VLLM_DIFFUSION_ALLOW_PICKLE", "bool", False,
             "Allow .bin/.pt checkpoints (loaded with torch.load(weights_only=True)) when no "
             "safetensors are present.",

@@ -52,6 +52,14 @@ class LoadOptions:
     """Threads reading checkpoint bytes ahead of the load, results in checkpoint order (``engine.reader``);
     1 reads on the loading thread alone. Unset: 4 (:attr:`threads`), except behind vllm-omni's door, which
     takes vllm-omni's own ``num_weight_load_threads`` (1 with ``enable_multithread_weight_load`` off)."""
+    pinned_staging_mb: int = 256
+    """Page-locked host memory (MiB) a load onto an accelerator stages its bytes through at most
+    (``reader.DeviceStaging``: a ring the read threads fill and a copy stream empties); 0 copies from pageable
+    memory, as does a host where pinned memory cannot be had."""
+    lora_host_weights: str = "auto"
+    """Where LoRA deltas are fused into host-resident weights when an accelerator is usable: ``auto`` (the
+    faster of the CPU and the through-device path, timed once per process on a representative chunk), ``cpu`` or
+    ``device``."""
     allow_pickle: bool = False
     """Accept .bin/.pt checkpoints (``torch.load(weights_only=True)``) when no safetensors exist."""
     strict_unexpected: bool = False
@@ -108,12 +116,20 @@ class LoadOptions:
             raise ValueError(f"hsdp_broadcast_bucket_mb must be positive, got {self.hsdp_broadcast_bucket_mb}")
         if self.read_threads is not None and self.read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+        if self.pinned_staging_mb < 0:
+            raise ValueError(f"pinned_staging_mb must be >= 0, got {self.pinned_staging_mb}")
+        if self.lora_host_weights not in LORA_HOST_SIDES:
+            raise ValueError(f"lora_host_weights must be one of {', '.join(LORA_HOST_SIDES)}, "
+                             f"got {self.lora_host_weights!r}")
         if not self.hsdp_broadcast_timeout_s > 0:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
 
 WEIGHT_LOAD_STRATEGIES = ("full", "broadcast", "rank_local")
 """Values of ``hsdp_weight_load`` (``strategies.STRATEGIES``; kept here so this module stays light)."""
+
+LORA_HOST_SIDES = ("auto", "cpu", "device")
+"""Values of ``lora_host_weights``."""
 
 _VLLM_OWNED_KEYS = ("is_draft",)
 """Keys vLLM itself adds to a loader's extra config; accepted and passed through untouched."""

@@ -173,6 +173,7 @@ def load_components(
     terminal -- True for every step, None only for reads over 1 GiB, False never.
     """
     from vllm_diffusion_plugin.engine.hsdp import build_mesh
+    from vllm_diffusion_plugin.engine.reader import DeviceStaging
     from vllm_diffusion_plugin.engine.skeleton import component_class
     from vllm_diffusion_plugin.engine.strategies import LoadContext, check_strategy
     from vllm_diffusion_plugin.engine.strategies.broadcast import open_channel
@@ -201,7 +202,9 @@ def load_components(
                     prepare_loras(source, loras[source.name], dtype=dtype, strict=options.lora_strict)
         mesh = build_mesh(hsdp, device_type=device.type) if hsdp is not None else None
         context = LoadContext(options=options, device=device, dtype=dtype, report=report, hsdp=hsdp, mesh=mesh,
-                              progress=progress if world.rank == 0 else False)
+                              progress=progress if world.rank == 0 else False,
+                              staging=DeviceStaging.open(device, max_bytes=options.pinned_staging_mb << 20,
+                                                         threads=options.threads))
         if report.strategy == "broadcast":
             context = dataclasses.replace(context, channel=open_channel(options, device))
         step = _LoadStep(context)
@@ -261,12 +264,31 @@ class _LoadStep:
                 entry.param_bytes_local = shard.local_bytes
                 entry.sharded_blocks, entry.shard_rule = len(shard.blocks), shard.source
             else:
-                module.to(context.device)
+                place(module, context.device, context.staging, threads=context.options.threads)
                 entry.param_bytes_local = entry.param_bytes_total
         logger.info("%s (loaded %s %s from %s on %s%s)", report_line(report, entry), source.name, entry.class_name,
                     source.folder, context.device,
                     f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
         return module
+
+
+def place(module: nn.Module, device: torch.device, staging, *, threads: int = 1) -> None:
+    """``module.to(device)``, its host parameters and buffers copied through ``staging`` (a
+    ``reader.DeviceStaging``) when there is one; parameters stay the same objects."""
+    from vllm_diffusion_plugin.engine.reader import to_device
+
+    if staging is not None:
+        host = [(owner, name, tensor) for owner in module.modules()
+                for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
+                if tensor is not None and tensor.device.type == "cpu"]
+        moved = to_device((t.detach() for _, _, t in host), device, staging, threads=threads)
+        with torch.no_grad():
+            for (owner, name, tensor), new in zip(host, moved):
+                if isinstance(tensor, nn.Parameter):
+                    tensor.data = new
+                else:
+                    owner._buffers[name] = new
+    module.to(device)
 
 
 def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None) -> list[Path]:

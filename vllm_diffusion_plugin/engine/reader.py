@@ -168,12 +168,12 @@ class DeviceStaging:
             return None
 
     def copy(self, copies: Iterable[StagedCopy], *, threads: int = 1) -> Iterator[Any]:
-        """Issue every copy in order, yielding each one's ``tag`` once all of its bytes were issued. When the
-        iteration ends, normally or not, every issued copy has completed, and work later issued on the device's
-        current stream sees the data."""
+        """Issue every copy in order, yielding each one's ``tag`` once its bytes are on their way: work issued on
+        the device's current stream after that sees them (it waits for the copy's event, on the device). When
+        the iteration ends, normally or not, every issued copy has completed."""
         from vllm_diffusion_plugin.engine import platform
 
-        slots = len(self._buffers)
+        slots, current = len(self._buffers), platform.current_stream(self.device)
 
         def chunks() -> Iterator[_Chunk]:
             n = 0
@@ -197,19 +197,21 @@ class DeviceStaging:
             for chunk, _ in read_ahead(chunks(), read, threads=threads, nbytes=lambda c: c.nbytes,
                                        max_bytes=slots * self.slot_bytes, max_jobs=slots):
                 item = chunk.copy
-                if chunk.nbytes:
-                    src = self._buffers[chunk.slot][:chunk.nbytes].view(item.dtype)
-                    first = chunk.start // item.dtype.itemsize
-                    with platform.on_stream(self.device, self._stream):
+                with platform.on_stream(self.device, self._stream):
+                    if chunk.start == 0:  # the destination's memory may have served the current stream before
+                        self._stream.wait_stream(current)
+                    if chunk.nbytes:
+                        src = self._buffers[chunk.slot][:chunk.nbytes].view(item.dtype)
+                        first = chunk.start // item.dtype.itemsize
                         item.dst.view(-1)[first:first + src.numel()].copy_(src, non_blocking=True)
-                        event = platform.new_event(self.device)
-                        event.record(self._stream)
-                    self._events[chunk.slot] = event
+                    event = platform.new_event(self.device)
+                    event.record(self._stream)
+                self._events[chunk.slot] = event
                 if chunk.last:
+                    current.wait_event(event)
                     yield item.tag
         finally:
             self._stream.synchronize()  # every issued copy read its buffer (also on an error: buffers may go)
-        platform.current_stream(self.device).wait_stream(self._stream)
 
     def copy_all(self, copies: Iterable[StagedCopy], *, threads: int = 1) -> None:
         """``copy`` to the end."""

@@ -15,12 +15,16 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
 from vllm_diffusion_plugin.engine.progress import progress_bar
+
+if TYPE_CHECKING:
+    from vllm_diffusion_plugin.engine.reader import DeviceStaging
 
 logger = init_logger(__name__)
 
@@ -142,7 +146,8 @@ class WeightStream(Iterator[tuple[str, torch.Tensor]]):
 
 
 def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, keys: Collection[str] | None = None,
-                    progress: bool | None = None, map_private: bool = False, threads: int = 1) -> WeightStream:
+                    progress: bool | None = None, map_private: bool = False, threads: int = 1,
+                    staging: DeviceStaging | None = None) -> WeightStream:
     """Yield ``(name, cpu_tensor)`` for every tensor of ``source`` (or only ``keys``), deterministically.
 
     ``stats`` (optional) accumulates bytes per file. A progress bar over bytes is shown on rank 0 when
@@ -151,33 +156,55 @@ def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, 
     ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``_mapped_file``).
     ``threads`` > 1: safetensors tensors are mapped and faulted in by that many threads ahead of the consumer
     (``reader.read_ahead``), still yielded in the same order; stats and the bar count a tensor when it is yielded.
+    ``staging`` (safetensors): every tensor is yielded on its accelerator, copied through its page-locked ring by
+    ``threads`` threads (the caller's copies from it then run at device speed); same values.
     """
-    return WeightStream(source, _generate(source, stats, keys, progress, map_private, threads))
+    return WeightStream(source, _generate(source, stats, keys, progress, map_private, threads, staging))
+
+
+def _named(file: Path | str, key: str, work, *args) -> None:
+    """``work(*args)``, its error raised as a ``CheckpointError`` naming the file and the tensor."""
+    try:
+        work(*args)
+    except Exception as exc:
+        raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
+
+
+def _named_fill(file: Path | str, key: str, tensor: torch.Tensor):
+    """``reader.tensor_bytes(tensor)`` whose errors name the file and the tensor."""
+    from vllm_diffusion_plugin.engine.reader import tensor_bytes
+
+    fill = tensor_bytes(tensor.contiguous())
+    return lambda buffer, start: _named(file, key, fill, buffer, start)
 
 
 def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
-              progress: bool | None, map_private: bool = False, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+              progress: bool | None, map_private: bool = False, threads: int = 1,
+              staging: DeviceStaging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from vllm_diffusion_plugin.engine import reader
 
     wanted = None if keys is None else set(keys)
     plan = [(file, [k for k in source.keys_in(file) if wanted is None or k in wanted]) for file in source.files]
     bar = _progress_bar(source, sum(source.tensors[k].nbytes for _, ks in plan for k in ks), progress)
-    parallel = threads > 1 and source.format == "safetensors"
+    staged = staging is not None and source.format == "safetensors"
+    parallel = threads > 1 and source.format == "safetensors" and not staged
     items = ((file, key, tensor) for file, file_keys in plan
-             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
+             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel or staged))
 
     def read(item: tuple[Path, str, torch.Tensor]) -> None:  # one thread: the consumer reads as it copies
-        file, key, tensor = item
-        if not parallel:
-            return
-        try:
-            reader.fault_in(tensor)
-        except Exception as exc:
-            raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
+        if parallel:
+            _named(*item[:2], reader.fault_in, item[2])
 
+    def copies() -> Iterator[reader.StagedCopy]:
+        for file, key, tensor in items:
+            dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=staging.device)
+            yield reader.StagedCopy(dst, tensor.dtype, _named_fill(file, key, tensor), (file, key, dst))
+
+    handed = (staging.copy(copies(), threads=threads) if staged else
+              (item for item, _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
+                                                      nbytes=lambda item: item[2].nbytes)))
     try:
-        for (file, key, tensor), _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
-                                                         nbytes=lambda item: item[2].nbytes):
+        for file, key, tensor in handed:
             info = source.tensors[key]
             if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
                 raise CheckpointError(f"{file}: tensor {key!r} is {list(tensor.shape)} {tensor.dtype} but "
@@ -265,7 +292,8 @@ def validate_headers(module: nn.Module, targets: Mapping[str, torch.Tensor], ten
 
 def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None = None, *,
                      source: ComponentSource | None = None, strict_unexpected: bool = False,
-                     progress: bool | None = None, map_private: bool = False, threads: int = 1) -> LoadResult:
+                     progress: bool | None = None, map_private: bool = False, threads: int = 1,
+                     staging: DeviceStaging | None = None) -> LoadResult:
     """Load ``weights`` (default: ``iterate_weights(source)``) into ``module`` and check completeness.
 
     A module with its own ``load_weights(iterable) -> set[str] | None`` (vLLM models) gets the iterable;
@@ -285,6 +313,9 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     only the pages they touch and never reach the file. All checks run as without it.
 
     ``threads`` (with ``source``): read with that many threads ahead (``iterate_weights``); same result.
+    ``staging`` (``reader.DeviceStaging``): targets on its accelerator are filled through its page-locked ring
+    (the read threads fill its buffers; copies overlap the reads); same result. A module with its own
+    ``load_weights`` gets device tensors from it instead (``iterate_weights``).
     """
     if weights is None and source is None:
         raise TypeError("load_into_module needs weights or source")
@@ -296,7 +327,8 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     files = named_by.files if named_by is not None else ()
 
     if callable(own_loader):
-        stream = weights if weights is not None else iterate_weights(source, progress=progress, threads=threads)
+        stream = weights if weights is not None else iterate_weights(source, progress=progress, threads=threads,
+                                                                     staging=staging)
         loaded = own_loader(_counted(stream, stats, named_by))
         unexpected: tuple[str, ...] = ()
         if loaded is None:
@@ -312,11 +344,14 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
         if source is not None:
             validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=strict_unexpected,
                              origin=origin)
+        staged = staging is not None and weights is None
         stream = weights if weights is not None else iterate_weights(
             source, keys=[k for k in source.tensors if k in targets], progress=progress,
-            map_private=map_private, threads=threads)
-        loaded, unexpected = _copy_all(targets, _counted(stream, stats, named_by), strict_unexpected, origin,
-                                       named_by, assign=map_private and weights is None)
+            map_private=map_private or staged, threads=1 if staged else threads)  # staged: its threads read
+        checked = _Checked(targets, _counted(stream, stats, named_by), strict_unexpected, origin, named_by)
+        loaded = (_stage_all(checked, staging, threads, named_by) if staged
+                  else _copy_all(checked, assign=map_private and weights is None))
+        unexpected = tuple(checked.unexpected)
         unexpected += tuple(k for k in (source.tensors if source is not None and weights is None else ())
                             if k not in targets)
         missing = set(targets) - loaded - exempt
@@ -342,30 +377,64 @@ def _counted(stream: Iterable[tuple[str, torch.Tensor]], stats: LoadStats,
         yield name, tensor
 
 
-def _copy_all(targets: Mapping[str, torch.Tensor], stream: Iterable[tuple[str, torch.Tensor]],
-              strict_unexpected: bool, origin: str, source: ComponentSource | None,
-              assign: bool = False) -> tuple[set[str], tuple[str, ...]]:
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    with torch.no_grad():
-        for name, tensor in stream:
-            target = targets.get(name)
+class _Checked:
+    """``(name, target, tensor)`` for every streamed tensor that has a target, after the checks a copy needs;
+    tensors without one are collected in ``unexpected`` (or raise with ``strict_unexpected``)."""
+
+    def __init__(self, targets: Mapping[str, torch.Tensor], stream: Iterable[tuple[str, torch.Tensor]],
+                 strict_unexpected: bool, origin: str, source: ComponentSource | None) -> None:
+        self.targets, self.stream, self.strict = targets, stream, strict_unexpected
+        self.origin, self.source = origin, source
+        self.unexpected: list[str] = []
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        for name, tensor in self.stream:
+            target = self.targets.get(name)
             if target is None:
-                if strict_unexpected:
-                    raise WeightLoadError(f"unexpected key {name!r} in {origin}: the module has no such "
+                if self.strict:
+                    raise WeightLoadError(f"unexpected key {name!r} in {self.origin}: the module has no such "
                                           f"parameter or buffer")
-                unexpected.append(name)
+                self.unexpected.append(name)
                 continue
-            info = source.tensors.get(name) if source is not None else None
+            info = self.source.tensors.get(name) if self.source is not None else None
             problem = _mismatch(name, target, tuple(tensor.shape), tensor.dtype, info.file if info else None)
             if problem is None and target.is_meta:
                 problem = f"{name}: module tensor is on the meta device; materialize the module first"
             if problem:
-                raise WeightLoadError(f"cannot load {origin}: {problem}")
+                raise WeightLoadError(f"cannot load {self.origin}: {problem}")
+            yield name, target, tensor
+
+
+
+def _copy_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], assign: bool = False) -> set[str]:
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for name, target, tensor in checked:
             if assign and target.device == tensor.device and (target.dtype, target.shape) == (tensor.dtype,
                                                                                                tensor.shape):
                 target.data = tensor  # the copy-on-write view (map_private)
             else:
                 target.data.copy_(tensor)
             loaded.add(name)
-    return loaded, tuple(unexpected)
+    return loaded
+
+
+def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], staging: DeviceStaging, threads: int,
+               source: ComponentSource) -> set[str]:
+    """``_copy_all`` through ``staging``: targets on its device (contiguous) are filled by its ring, any other
+    target is copied at once."""
+    from vllm_diffusion_plugin.engine.reader import StagedCopy
+
+    loaded: set[str] = set()
+
+    def copies() -> Iterator[StagedCopy]:
+        for name, target, tensor in checked:
+            if target.device.type == staging.device.type and target.is_contiguous():
+                yield StagedCopy(target.data, tensor.dtype, _named_fill(source.tensors[name].file, name, tensor), name)
+            else:
+                target.data.copy_(tensor)
+                loaded.add(name)
+
+    with torch.no_grad():
+        loaded.update(staging.copy(copies(), threads=threads))
+    return loaded

@@ -67,6 +67,8 @@ class LoadContext:
     """``broadcast.BroadcastChannel`` during a ``broadcast`` load, else None."""
     progress: bool | None = None
     """Progress bar: None = when interactive, False = never (ranks other than 0)."""
+    staging: Any = None
+    """``reader.DeviceStaging`` when weights land on an accelerator through pinned memory, else None."""
 
 
 class Strategy(Protocol):

@@ -14,18 +14,24 @@ from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadCont
 
 def load_full(source: ComponentSource, *, context: LoadContext,
               lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
-    """Build the skeleton on the host, stream every weight into it, fuse LoRA on plain host tensors."""
+    """Build the skeleton, stream every weight into it, fuse LoRA on plain tensors.
+
+    Where the component ends whole on an accelerator with pinned staging (not a DiT FSDP2 will shard), the
+    skeleton is built there and the weights arrive through the staging ring, so LoRA is fused on the device in
+    place; otherwise on the host (mapped, copy-on-write), and the pipeline places or shards it afterwards."""
+    from vllm_diffusion_plugin.engine.checkpoint import is_transformer
     from vllm_diffusion_plugin.engine.lora import fuse_prepared, prepare_lora_files
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
     options, report = context.options, context.report
+    staging = context.staging if not (context.mesh is not None and is_transformer(source)) else None
     with report.phase("build"):
-        module = build_component(source, dtype=context.dtype, device="cpu")
+        module = build_component(source, dtype=context.dtype, device=context.device if staging else "cpu")
     with report.phase("read"):
         result = load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
                                   progress=context.progress, map_private=True,  # untouched weights: no copy
-                                  threads=options.threads)
+                                  threads=options.threads, staging=staging)
     stats = None
     if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
         with report.phase("lora"):

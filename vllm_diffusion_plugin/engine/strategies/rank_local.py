@@ -18,7 +18,7 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,10 +112,13 @@ def _bound_local_rows(binding: RowBinding, target: torch.Tensor):
 
 
 def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
-                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None, threads: int = 1):
+                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None, threads: int = 1,
+                    staging: Any = None):
     """Read this rank's rows of every bound checkpoint tensor into its targets; returns (keys read, stats).
     ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``). ``threads``: row ranges read by
     that many threads at once (``reader.read_ahead``; every range lands in its own rows, so the result is the same).
+    ``staging`` (``reader.DeviceStaging``): rows on its accelerator are ``pread`` into its page-locked ring and copied
+    from there without blocking (same result).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
     it is read with ``pread`` straight into the local shard's storage when dtype and device allow, else into
@@ -140,7 +143,7 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
             for file in source.files:
                 keys = [k for k in source.keys_in(file) if k in by_key]
                 if keys:
-                    _read_file_rows(source, file, keys, by_key, targets, stats, bar, threads)
+                    _read_file_rows(source, file, keys, by_key, targets, stats, bar, threads, staging)
                     loaded.update(keys)
     finally:
         if bar is not None:
@@ -149,10 +152,11 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
 
 
 def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_key: Mapping[str, list[RowBinding]],
-                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any, threads: int = 1) -> None:
+                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any, threads: int = 1,
+                    staging: Any = None) -> None:
     """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
     from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
-    from vllm_diffusion_plugin.engine.reader import read_ahead
+    from vllm_diffusion_plugin.engine.reader import StagedCopy, read_ahead
 
     header = read_safetensors_header(file)
     changed = [k for k in keys if header.get(k) != source.tensors[k]]
@@ -161,7 +165,7 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
     with open(file, "rb") as f:
         data_start = 8 + struct.unpack("<Q", f.read(8))[0]
 
-        def jobs():  # (destination rows, buffer read into, file offset), in file order
+        def rows() -> Iterator[tuple[torch.Tensor, torch.dtype, int]]:  # (destination rows, dtype, file offset)
             for key in keys:
                 info = source.tensors[key]
                 row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
@@ -173,11 +177,33 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                     if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
                         raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
                                               f"{binding.target} rows {tuple(dst.shape)}")
-                    if not dst.numel():
-                        continue
-                    direct = dst.dtype == info.dtype and dst.device.type == "cpu" and dst.is_contiguous()
-                    buffer = dst if direct else torch.empty(dst.shape, dtype=info.dtype)
-                    yield dst, buffer, data_start + info.offset + key_row * row_bytes
+                    if dst.numel():
+                        yield dst, info.dtype, data_start + info.offset + key_row * row_bytes
+
+        def done(nbytes: int) -> None:
+            stats.add(file, nbytes)
+            if bar is not None:
+                bar.update(nbytes)
+
+        if staging is not None:
+            def copies() -> Iterator[StagedCopy]:
+                for dst, dtype, offset in rows():
+                    nbytes = dst.numel() * dtype.itemsize
+                    if dst.device.type == staging.device.type and dst.is_contiguous():
+                        yield StagedCopy(dst, dtype, lambda buf, start, at=offset: _pread_into(
+                            f.fileno(), at + start, buf, file), nbytes)
+                    else:
+                        _read_rows(f.fileno(), dst, dtype, offset, file)
+                        done(nbytes)
+
+            for nbytes in staging.copy(copies(), threads=threads):
+                done(nbytes)
+            return
+
+        def jobs():  # (destination rows, buffer read into, file offset), in file order
+            for dst, dtype, offset in rows():
+                direct = dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous()
+                yield dst, dst if direct else torch.empty(dst.shape, dtype=dtype), offset
 
         def read(job) -> None:
             _, buffer, offset = job
@@ -187,17 +213,21 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                                                nbytes=lambda job: job[1].numel() * job[1].element_size()):
             if buffer is not dst:
                 dst.copy_(buffer)
-            nbytes = buffer.numel() * buffer.element_size()
-            stats.add(file, nbytes)
-            if bar is not None:
-                bar.update(nbytes)
+            done(buffer.numel() * buffer.element_size())
+
+
+def _read_rows(fd: int, dst: torch.Tensor, dtype: torch.dtype, offset: int, file: Any) -> None:
+    """One row range read at once (a destination the staging ring cannot fill: on the host, or strided)."""
+    buffer = torch.empty(dst.shape, dtype=dtype)
+    _pread_into(fd, offset, buffer, file)
+    dst.copy_(buffer)
 
 
 def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None,
-                     threads: int = 1):
+                     threads: int = 1, staging: Any = None):
     """This rank's rows of every checkpoint tensor named like a target (a diffusers module's state dict)."""
     return read_bound_rows(source, identity_bindings(source.tensors, targets), targets, progress=progress,
-                           threads=threads)
+                           threads=threads, staging=staging)
 
 
 class LocalShards(nn.Module):
@@ -310,7 +340,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
                      origin=origin)  # headers only
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets, context.progress, context.options.threads)
+        loaded, stats = _read_local_rows(source, targets, context.progress, context.options.threads, context.staging)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "
