@@ -307,3 +307,21 @@ def test_allow_meta_shards_a_skeleton_for_rank_local_loading():
     weight = model.blocks[0].proj.weight
     assert isinstance(weight, DTensor) and weight.is_meta and weight.placements == (Replicate(), Shard(0))
     assert weight.to_local().shape == (4, 8) and 0.45 < report.block_fraction < 0.55
+
+
+def test_seed_bug_3_a_per_parameter_data_move_splits_a_dtensor_from_its_shard():
+    """Why fix #3 moves whole modules: ``p.data = p.data.to(x)`` on an FSDP2 DTensor parameter changes the wrapper
+    and leaves its local shard behind (on CUDA the wrapper says cpu while the shard stays on the GPU: test_cuda;
+    here a dtype change stands for the device move), while ``module.to(x)`` goes through FSDP2's ``_apply`` and
+    moves both."""
+    from torch.distributed.fsdp import fully_shard
+
+    with cpu_fake_mesh((1, 2)) as mesh:
+        naive, whole = (nn.Sequential(nn.Linear(8, 6)) for _ in range(2))
+        for model in (naive, whole):
+            fully_shard(model, mesh=mesh)
+        for p in naive.parameters():
+            p.data = p.data.to(torch.float64)
+        whole.to(torch.float64)
+        assert {(p.dtype, p.to_local().dtype) for p in naive.parameters()} == {(torch.float64, torch.float32)}
+        assert {(p.dtype, p.to_local().dtype) for p in whole.parameters()} == {(torch.float64, torch.float64)}

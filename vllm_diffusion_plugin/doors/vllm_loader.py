@@ -141,7 +141,8 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         from vllm_diffusion_plugin.engine.lora import fuse_prepared
 
         stats = fuse_prepared(model, loras, chunk_mb=self.options.lora_device_chunk_mb,
-                              check_finite=self.options.lora_check_finite)
+                              check_finite=self.options.lora_check_finite,
+                              host_weights=self.options.lora_host_weights)
         logger.info("Fused %d LoRA file(s) into %s: %d targets, compute device %s, %d fallback(s)",
                     len(self.lora_specs), type(model).__name__, stats.targets, stats.compute_device,
                     stats.fallbacks)

@@ -64,6 +64,8 @@ class ComponentReport:
     """LoRA *targets* fused (modules whose weight/bias changed; several file keys each). The JSON key keeps
     its historical name; the table heads it "lora targets"."""
     lora_compute_device: str | None = None
+    lora_host_rule: str | None = None
+    """Where host-resident weights were fused and why (``lora.fuse.HostSide.why``), when an accelerator was usable."""
     lora_fallbacks: int = 0
     sharded_blocks: int = 0
     shard_rule: str | None = None
@@ -78,6 +80,7 @@ class ComponentReport:
         if stats is not None:
             self.lora_keys_fused, self.lora_compute_device, self.lora_fallbacks = (
                 stats.targets, stats.compute_device, stats.fallbacks)
+            self.lora_host_rule = stats.host_rule
 
 
 @dataclass
@@ -124,6 +127,7 @@ class LoadReport:
         data["lora_keys_fused"] = sum(c.lora_keys_fused for c in self.components)
         data["lora_compute_device"] = next(
             (c.lora_compute_device for c in self.components if c.lora_compute_device), None)
+        data["lora_host_rule"] = next((c.lora_host_rule for c in self.components if c.lora_host_rule), None)
         return data
 
 

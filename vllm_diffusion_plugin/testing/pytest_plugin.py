@@ -28,11 +28,26 @@ def _clear_usable_device_cache() -> None:
         cache_clear()
 
 
+FAKE_SIDE_TIMINGS = {"cpu_s": 1.0, "device_s": 0.5}
+"""What the fixture tells the LoRA device rule (``lora.fuse.record_side_timings``) about fusing host-resident weights:
+through ``fakeacc`` is faster than on the CPU, as on the seed's NPU host, so the rule forwards to the device (what
+fix #1's tests pin). Its real timing would measure Python dispatch, not a device; a test of the rule itself records
+its own timings."""
+
+
 def reset_fake_accelerator(accelerator: FakeAccelerator) -> None:
-    """Zero the counters, turn off simulated failures and clear the platform's probe cache."""
+    """Zero the counters, turn off simulated failures, clear the platform's probe cache and set the LoRA rule's
+    timings for the fake device (``FAKE_SIDE_TIMINGS``)."""
+    import torch
+
+    from vllm_diffusion_plugin.engine.lora.fuse import forget_side_timings, record_side_timings
+
     accelerator.reset_counters()
     accelerator.clear_failures()
     _clear_usable_device_cache()
+    forget_side_timings()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        record_side_timings(accelerator.device, dtype, **FAKE_SIDE_TIMINGS)
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ class StreamFuser:
     dtype: torch.dtype
     chunk_mb: int
     check_finite: bool = False
+    host_weights: str = "auto"
     stats: Any = None
     seconds: float = 0.0
     _by_tensor: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
@@ -73,7 +74,7 @@ class StreamFuser:
             holder = nn.Module()
             holder.weight = nn.Parameter(tensor, requires_grad=False)
             stats = fuse_lora(holder, {"": dataclasses.replace(delta, bias_delta=None)}, chunk_mb=self.chunk_mb,
-                              check_finite=self.check_finite, log=False)
+                              check_finite=self.check_finite, log=False, host_weights=self.host_weights)
             self.stats = stats if self.stats is None else self.stats + stats
             tensor = holder.weight.data
         self.seconds += time.perf_counter() - start
@@ -86,7 +87,7 @@ class StreamFuser:
 
 
 def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: torch.dtype, strict: bool,
-               chunk_mb: int, check_finite: bool = False) -> StreamFuser | None:
+               chunk_mb: int, check_finite: bool = False, host_weights: str = "auto") -> StreamFuser | None:
     """Normalize and validate every LoRA file for ``source`` (before any weight is read)."""
     if not lora_files:
         return None
@@ -96,7 +97,7 @@ def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: t
     skeleton = build_component(source, dtype=dtype, device="meta")
     deltas = [lora.deltas for lora in prepare_lora_files(skeleton, lora_files, strict=strict, component=source.name)]
     return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
-                       chunk_mb=chunk_mb, check_finite=check_finite)
+                       chunk_mb=chunk_mb, check_finite=check_finite, host_weights=host_weights)
 
 
 @dataclass

@@ -230,7 +230,8 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
                                  files=len(source.files), lora_files=len(files))
         fuser = load_path.lora_fuser(source, files, dtype=loader.od_config.dtype, strict=options.lora_strict,
                                      chunk_mb=options.lora_device_chunk_mb,
-                                     check_finite=options.lora_check_finite)
+                                     check_finite=options.lora_check_finite,
+                                     host_weights=options.lora_host_weights)
         dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads))
         state["report"].components.append(report)
     return dits

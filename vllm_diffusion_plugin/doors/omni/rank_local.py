@@ -325,7 +325,8 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
         if dit.fuser is not None:
             start = time.perf_counter()
             lora = fuse_bound_rows(targets, bindings[dit.component], dit.fuser.deltas, modules=dit.fuser.modules,
-                                   chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite)
+                                   chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite,
+                                   host_weights=dit.fuser.host_weights)
             dit.report.record_lora(lora, time.perf_counter() - start)
         _memory(f"{dit.component} read and fused")
     on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin.engine.lora.types import LoraDelta
 
 logger = init_logger(__name__)
@@ -132,12 +133,31 @@ class Workspace:
     """Buffers reused across the weights of one call (no full-size temporaries per layer)."""
 
     buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    pinned: torch.Tensor | None = None
+    """Page-locked bytes host rows cross to and from an accelerator through (``pinned_like``)."""
+    pinned_failed: bool = False
 
     def rows(self, n: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self.buffers.get(dtype)
         if buf is None or buf.numel() < n * cols:
             buf = self.buffers[dtype] = torch.empty(n * cols, dtype=dtype)
         return buf[: n * cols].view(n, cols)
+
+    def pinned_like(self, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """A page-locked host tensor shaped like ``t`` (reused), or None when pinned memory cannot be had for
+        ``device`` (then rows cross from pageable memory, as before)."""
+        nbytes = t.numel() * t.element_size()
+        if self.pinned is None or self.pinned.numel() < nbytes:
+            if self.pinned_failed:
+                return None
+            try:
+                self.pinned = platform.pinned_empty(nbytes, device)
+            except Exception as exc:
+                self.pinned_failed = True
+                logger.info("No page-locked staging for LoRA rows on %s (%s): rows cross from pageable memory",
+                            device, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                return None
+        return self.pinned[:nbytes].view(t.dtype).view(t.shape)
 
 
 def _finite(t: torch.Tensor, dst_dtype: torch.dtype) -> bool:
@@ -220,7 +240,7 @@ def fuse_weight_(
     if compute_device is not None and compute_device.type != "cpu":
         in_place = same_dtype and bounded and not check_finite
         return _fuse_on_device(weight, _ab_update(delta, alpha), compute_device, chunk_rows, name, row_start,
-                               in_place=in_place, check=not in_place)
+                               workspace or Workspace(), in_place=in_place, check=not in_place)
     workspace = workspace or Workspace()
     kernel = cpu_kernel(weight.dtype)
     if kernel == "native" and not (same_dtype and bounded):
@@ -249,8 +269,8 @@ def fuse_factored_(weight: torch.Tensor, delta, *, sign: int, compute_device: to
         return lambda acc, r0, r1: acc.add_(rows(r0, r1), alpha=sign)
 
     if compute_device is not None and compute_device.type != "cpu":
-        return _fuse_on_device(weight, prepare, compute_device, chunk_rows, name, row_start, in_place=False,
-                               check=True)
+        return _fuse_on_device(weight, prepare, compute_device, chunk_rows, name, row_start,
+                               workspace or Workspace(), in_place=False, check=True)
     _fuse_cpu_fp32(weight, prepare, chunk_rows, name, row_start, workspace or Workspace(), check=True)
     return "fp32-chunks"
 
@@ -289,8 +309,9 @@ def _raise_non_finite(name: str, r0: int, r1: int, *, written: bool) -> None:
     raise NonFiniteFusionError(f"{message}; nothing of this weight was written")
 
 
-def _fuse_on_device(weight, prepare, device, chunk_rows, name, row_start, *, in_place, check) -> str:
-    """Fuse on ``device``: for a weight living there, rows in place; else rows staged H2D, fused, copied back.
+def _fuse_on_device(weight, prepare, device, chunk_rows, name, row_start, workspace, *, in_place, check) -> str:
+    """Fuse on ``device``: for a weight living there, rows in place; else rows staged H2D through the workspace's
+    page-locked buffer, fused, copied back through it.
     ``prepare(device, dtype)`` moves the factors there and returns ``update(acc, r0, r1)``. ``in_place``: the
     update in the weight's dtype straight into the (staged) rows, unchecked (a bounded delta, module doc); else
     in fp32, each chunk checked before it is written."""
@@ -306,7 +327,7 @@ def _fuse_on_device(weight, prepare, device, chunk_rows, name, row_start, *, in_
     for r0 in range(row_start, rows, chunk_rows):
         r1 = min(rows, r0 + chunk_rows)
         try:
-            staged = weight[r0:r1].to(device)  # H2D for a CPU weight; a view for a device weight
+            staged = _to_device(weight[r0:r1], device, workspace) if on_host else weight[r0:r1]
             if in_place:
                 acc = staged
             else:
@@ -325,12 +346,33 @@ def _fuse_on_device(weight, prepare, device, chunk_rows, name, row_start, *, in_
             _raise_non_finite(name, r0, r1, written=done > 0)
         if on_host or not in_place:  # in place on the device: the rows are already written
             try:
-                weight[r0:r1].copy_(result)  # D2H for a CPU weight
+                _to_host(result, weight[r0:r1], device, workspace) if on_host else weight[r0:r1].copy_(result)
             except Exception as exc:
                 raise PartiallyFusedError(f"copying fused rows {r0}:{r1} of {name}.weight back from {device} "
                                           f"failed ({exc}); the weight may be half-written, abort the load") from exc
         done = r1
     return "device"
+
+
+def _to_device(rows: torch.Tensor, device: torch.device, workspace: Workspace) -> torch.Tensor:
+    """Host rows on ``device``: copied into the page-locked buffer, then to the device without blocking."""
+    pinned = workspace.pinned_like(rows, device)
+    if pinned is None:
+        return rows.to(device)
+    pinned.copy_(rows)
+    return pinned.to(device, non_blocking=True)
+
+
+def _to_host(result: torch.Tensor, rows: torch.Tensor, device: torch.device, workspace: Workspace) -> None:
+    """Device ``result`` into the host ``rows``, through the page-locked buffer (the H2D copy from it was issued
+    before on the same stream, so it has completed by then)."""
+    pinned = workspace.pinned_like(rows, device)
+    if pinned is None:
+        rows.copy_(result)
+        return
+    pinned.copy_(result, non_blocking=True)
+    platform.synchronize(device)
+    rows.copy_(pinned)
 
 
 def add_full(target: torch.Tensor, delta: torch.Tensor, sign: int, name: str) -> None:

@@ -241,10 +241,11 @@ class _Sender:
     """Rank 0: the weight stream ``load_into_module`` consumes; between tensors it fuses and broadcasts."""
 
     def __init__(self, *, what, channel, source, keys, plan, digest, targets, module, files, chunk_mb,
-                 check_finite, progress, threads) -> None:
+                 check_finite, progress, threads, host_weights="auto") -> None:
         self.what, self.channel, self.source, self.keys, self.plan = what, channel, source, keys, plan
         self.digest, self.targets, self.module, self.files = digest, targets, module, files
         self.chunk_mb, self.check_finite, self.progress, self.threads = chunk_mb, check_finite, progress, threads
+        self.host_weights = host_weights
         self.parts = _lora_parts(module, files)
         self.pending: dict[tuple[int, str], set[str]] = {}
         self.handshaken = False
@@ -304,7 +305,8 @@ class _Sender:
                                                    bias_delta=d.bias_delta if "bias" in parts else None,
                                                    full_delta=d.full_delta if weight else None)
                 self.fused.add((i, name))
-            stats = fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite)
+            stats = fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite,
+                              host_weights=self.host_weights)
             self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
         self.pending.clear()
         self.nested["lora"] += time.perf_counter() - started
@@ -370,7 +372,7 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
                          check_finite=options.lora_check_finite, progress=progress,
-                         threads=options.threads)
+                         threads=options.threads, host_weights=options.lora_host_weights)
         started = time.perf_counter()
         result = load_into_module(module, weights=sender.stream(), source=source,
                                   strict_unexpected=options.strict_unexpected, progress=progress)

@@ -38,5 +38,5 @@ def load_full(source: ComponentSource, *, context: LoadContext,
             stats = fuse_prepared(module, prepare_lora_files(module, lora_files, strict=options.lora_strict,
                                                             component=source.name),
                                   chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
-                                  progress=context.progress, name=source.name)
+                                  progress=context.progress, name=source.name, host_weights=options.lora_host_weights)
     return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)

@@ -247,7 +247,7 @@ class LocalShards(nn.Module):
 
 def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowBinding],
                     files: Sequence[dict[str, Any]], *, modules: Iterable[str], chunk_mb: int,
-                    check_finite: bool = False):
+                    check_finite: bool = False, host_weights: str = "auto"):
     """Fuse LoRA deltas (keyed by checkpoint module names) into this rank's rows of their bound targets:
     ``W[rows] += s * B[key rows] @ A`` (and the same key rows of bias / full deltas), file after file.
 
@@ -289,18 +289,18 @@ def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowB
                     delta, B=None if delta.B is None else delta.B[rows],
                     bias_delta=None if delta.bias_delta is None else delta.bias_delta[rows],
                     full_delta=None if delta.full_delta is None else delta.full_delta[rows])
-        stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb, check_finite=check_finite)
+        stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb, check_finite=check_finite, host_weights=host_weights)
         total = stats if total is None else total + stats
     return total
 
 
 def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int,
-                    check_finite: bool = False):
+                    check_finite: bool = False, host_weights: str = "auto"):
     """``fuse_bound_rows`` for a diffusers module, whose parameter names are its checkpoint keys."""
     targets = dict(module.named_parameters())
     return fuse_bound_rows(targets, identity_bindings(targets, targets), files,
                            modules=(name for name, _ in module.named_modules()), chunk_mb=chunk_mb,
-                           check_finite=check_finite)
+                           check_finite=check_finite, host_weights=host_weights)
 
 
 def materialize_local_shards(module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
@@ -358,7 +358,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     if files:
         with report.phase("lora"):
             lora = fuse_local_rows(module, files, chunk_mb=options.lora_device_chunk_mb,
-                                   check_finite=options.lora_check_finite)
+                                   check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
     logger.info("Rank-local load of %s: read %d tensors' own rows (%.3f GB of %.3f GB) into local shards on %s%s",
                 origin, len(loaded), stats.total_bytes / 1e9, source.total_bytes / 1e9, device,
                 f"; fused {lora.targets} LoRA targets shard-locally" if lora else "")
