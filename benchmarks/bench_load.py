@@ -5,22 +5,25 @@ FFN), with as many blocks as ``--size-gb`` needs, bf16, saved in several safeten
 It is generated once (seeded random weights, no random *init*: built with ``build_component``) and cached
 in ``--out-dir``. Each measurement runs ``--repeats`` times after the page cache is warmed:
 
-  (a) floor       raw ``safe_open().get_tensor`` -> ``param.copy_`` into a preallocated module
-  (b1) ours        ``load_into_module(module, source=...)`` (validation + iterate_weights) into the same module
+  (a) floor       raw ``safe_open().get_tensor`` -> ``param.copy_`` into a preallocated module (onto an accelerator:
+                  the naive pageable copy, the speed loads ran at before the staging ring)
+  (b1) ours        ``load_into_module(module, source=...)`` (validation + iterate_weights) into the same module;
+                  onto an accelerator through ``reader.DeviceStaging`` (pinned ring, copy stream, ``--read-threads``)
   (b2) ours e2e    ``build_component`` (meta skeleton, uninitialized storage) + ``load_into_module`` (on the CPU
-                  with ``map_private``, as the pipeline: weights view a copy-on-write mapping of the file)
+                  with ``map_private``, as the pipeline: weights view a copy-on-write mapping of the file; onto
+                  an accelerator built there and filled through the ring, as the pipeline's ``full`` does)
   (c) diffusers   ``WanTransformer3DModel.from_pretrained(folder, torch_dtype=bfloat16)``, then ``.to(device)``
                   for an accelerator; on CPU also (c') with every parameter page touched once afterwards: with
                   accelerate installed, diffusers maps the safetensors pages into the parameters without copying,
                   so (c) alone has not read the bytes yet -- (c') is what a consumer of the weights pays.
 
-Goals: (b1) throughput >= 0.8x the floor; on an accelerator (c) takes >= 2x as long as (b2) (on the CPU both map
-the file and copy nothing, so that goal is not set there). ``--fresh`` (CPU) adds build + read
+Goals: on the CPU (b1) throughput >= 0.8x the floor; on an accelerator (b1) >= 4x the naive pageable copy (a) and
+(c) takes >= 3x as long as (b2) (on the CPU both map the file and copy nothing, so that goal is not set there). ``--fresh`` (CPU) adds build + read
 in fresh processes (``FRESH``): ours, as the pipeline loads (copy-on-write mapped weights), no slower than
 diffusers ``from_pretrained``, untouched and with every page touched afterwards.
 
     python benchmarks/bench_load.py [--size-gb 2] [--out-dir /tmp/vllm-diffusion-bench] [--repeats 3]
-                                    [--device cpu|cuda|npu|...] [--json]
+                                    [--device cpu|cuda|npu|...] [--read-threads 4] [--json]
 """
 
 from __future__ import annotations
@@ -196,6 +199,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="where the module lives: cpu (default), cuda, npu ...")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--read-threads", type=int, default=4, help="read threads of ours (the load's default: 4)")
     parser.add_argument("--tiny", action="store_true", help="a 128-wide model of --size-gb (default 0.01 GB)")
     parser.add_argument("--fresh", action="store_true", help="CPU: also build + read in fresh processes (FRESH)")
     parser.add_argument("--child", choices=FRESH, help=argparse.SUPPRESS)
@@ -209,6 +213,7 @@ def main(argv=None) -> dict:
     import diffusers
 
     from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.reader import DeviceStaging
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
@@ -221,11 +226,14 @@ def main(argv=None) -> dict:
     _log(f"checkpoint: {folder} ({len(source.files)} shards, {len(source.tensors)} tensors, {total / 1e9:.2f} GB)")
     warm_page_cache(source.files)
 
+    staging = DeviceStaging.open(device, threads=args.read_threads)  # None on the CPU
+    ours = dict(progress=False, threads=args.read_threads, staging=staging)
+
     def preallocated_runs() -> dict[str, list[float]]:
         module = build_component(source, dtype=DTYPE, device=device)
         floor_load(module, source)  # touches every page of the preallocated module once
         return {"floor": timed(lambda: floor_load(module, source), args.repeats, device),
-                "ours_preallocated": timed(lambda: load_into_module(module, source=source, progress=False),
+                "ours_preallocated": timed(lambda: load_into_module(module, source=source, **ours),
                                            args.repeats, device)}
 
     results = preallocated_runs()
@@ -233,7 +241,7 @@ def main(argv=None) -> dict:
 
     def ours_e2e():  # as the pipeline loads: on the CPU, weights view a copy-on-write mapping of the file
         fresh = build_component(source, dtype=DTYPE, device=device)
-        load_into_module(fresh, source=source, progress=False, map_private=device.type == "cpu")
+        load_into_module(fresh, source=source, map_private=device.type == "cpu", **ours)
 
     def diffusers_load(touch: bool):
         model = diffusers.WanTransformer3DModel.from_pretrained(folder, torch_dtype=DTYPE)
@@ -265,14 +273,18 @@ def main(argv=None) -> dict:
         ratios["fresh: diffusers vs ours (mapped), both touched"] = (med["fresh diffusers_touched"]
                                                                      / med["fresh ours_mapped_touched"])
         ratios["fresh: ours copied vs ours mapped time"] = med["fresh ours_copied"] / med["fresh ours_mapped"]
-    goals = {"ours >= 0.8x floor": ratios["ours_preallocated_vs_floor_throughput"] >= 0.8}
-    if device.type != "cpu":  # on the CPU both map the file and copy nothing: the --fresh goal is the CPU's
-        goals["diffusers >= 2x slower than ours (build+load)"] = ratios["diffusers_vs_ours_build_and_load_time"] >= 2.0
+    if device.type == "cpu":  # both map the file and copy nothing there: the --fresh goal is the CPU's
+        goals = {"ours >= 0.8x floor": ratios["ours_preallocated_vs_floor_throughput"] >= 0.8}
+    else:
+        goals = {"ours >= 4x the naive pageable copy": ratios["ours_preallocated_vs_floor_throughput"] >= 4.0,
+                 "diffusers >= 3x slower than ours (build+load)": ratios["diffusers_vs_ours_build_and_load_time"] >= 3.0}
     if "fresh ours_mapped" in med:
         goals["fresh: ours (mapped) no slower than diffusers (untouched and touched)"] = (
             ratios["fresh: diffusers vs ours (mapped) build+read time"] >= 1.0
             and ratios["fresh: diffusers vs ours (mapped), both touched"] >= 1.0)
     report = {"checkpoint": str(folder), "device": str(device), "bytes": total, "shards": len(source.files),
+              "read_threads": args.read_threads, "staging": None if staging is None else
+              {"slots": len(staging._buffers), "slot_bytes": staging.slot_bytes},
               "tensors": len(source.tensors), "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
               "timings": summary, "ratios (medians)": ratios, "goals": goals,
               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}

@@ -132,13 +132,13 @@ def test_rank_local_row_reads_overlap(tiny_wan_dir, monkeypatch):
     source = next(s for s in resolve_checkpoint(tiny_wan_dir) if s.name == "transformer")
     targets = {k: torch.empty(info.shape, dtype=info.dtype) for k, info in source.tensors.items()}
     want = dict(iterate_weights(source))
-    overlap, original = Overlap(0.005), rank_local._pread_into
+    overlap, original = Overlap(0.005), rank_local.pread_into
 
     def pread_into(*args):
         overlap()
         original(*args)
 
-    monkeypatch.setattr(rank_local, "_pread_into", pread_into)
+    monkeypatch.setattr(rank_local, "pread_into", pread_into)
     loaded, stats = rank_local.read_bound_rows(source, rank_local.identity_bindings(source.tensors, targets), targets,
                                                threads=4)
     assert loaded == set(source.tensors) and stats.total_bytes == source.total_bytes

@@ -22,6 +22,7 @@ are read, and the events that say when a buffer may be filled again. Strategies 
 from __future__ import annotations
 
 import mmap
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,6 +79,20 @@ def read_ahead(jobs: Iterable[J], read: Callable[[J], R], *, threads: int, nbyte
         finally:
             for _, _, future in pending:
                 future.cancel()
+
+
+def pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
+    """Fill the contiguous CPU tensor ``dst`` with the file's bytes at ``offset`` (no mmap, no extra copy)."""
+    from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
+
+    view = memoryview(dst.detach().view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{file}: unexpected end of file at byte {offset + done} (truncated since it "
+                                  f"was resolved?)")
+        done += n
 
 
 def fault_in(tensor: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource
+from vllm_diffusion_plugin.engine.reader import pread_into
 from vllm_diffusion_plugin.engine.strategies.base import (
     ComponentLoad,
     DistributedLoadError,
@@ -65,18 +66,6 @@ def local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         raise DistributedLoadError(f"{name}: local shard is {tuple(local.shape)} but rows {start}:{stop} of "
                                    f"{tuple(param.shape)} were expected on shard {index} of {size}")
     return local, start, stop
-
-
-def _pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
-    """Fill the contiguous CPU tensor ``dst`` with the file's bytes at ``offset`` (no mmap, no extra copy)."""
-    view = memoryview(dst.detach().view(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{file}: unexpected end of file at byte {offset + done} (truncated since it "
-                                  f"was resolved?)")
-        done += n
 
 
 @dataclass(frozen=True)
@@ -190,7 +179,7 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                 for dst, dtype, offset in rows():
                     nbytes = dst.numel() * dtype.itemsize
                     if dst.device.type == staging.device.type and dst.is_contiguous():
-                        yield StagedCopy(dst, dtype, lambda buf, start, at=offset: _pread_into(
+                        yield StagedCopy(dst, dtype, lambda buf, start, at=offset: pread_into(
                             f.fileno(), at + start, buf, file), nbytes)
                     else:
                         _read_rows(f.fileno(), dst, dtype, offset, file)
@@ -207,7 +196,7 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
 
         def read(job) -> None:
             _, buffer, offset = job
-            _pread_into(f.fileno(), offset, buffer, file)
+            pread_into(f.fileno(), offset, buffer, file)
 
         for (dst, buffer, _), _ in read_ahead(jobs(), read, threads=threads,
                                                nbytes=lambda job: job[1].numel() * job[1].element_size()):
@@ -219,7 +208,7 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
 def _read_rows(fd: int, dst: torch.Tensor, dtype: torch.dtype, offset: int, file: Any) -> None:
     """One row range read at once (a destination the staging ring cannot fill: on the host, or strided)."""
     buffer = torch.empty(dst.shape, dtype=dtype)
-    _pread_into(fd, offset, buffer, file)
+    pread_into(fd, offset, buffer, file)
     dst.copy_(buffer)
 
 
