@@ -32,8 +32,7 @@ SIZE_PX = (1100, 460)
 """Every chart's size in pixels (width, height): ``SIZE_PX / DPI`` inches at ``DPI``."""
 DPI = 100
 GiB, GB = 2**30, 1e9
-COLORS = ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")
-"""The first series is the baseline (grey); ours and the other strategies follow."""
+GREYS, COLORS = ("#a6a6a6", "#5e5e5e"), ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd")
 
 
 @dataclass
@@ -53,6 +52,8 @@ class Bars:
     spans: dict[str, list[tuple[float, float] | None]] = field(default_factory=dict)
     notes: dict[tuple[int, str], str] = field(default_factory=dict)
     fmt: str = "{:.2f}"
+    baselines: tuple[str, ...] | None = None
+    """The series drawn grey, as baselines (default: the first one)."""
 
     def empty(self) -> bool:
         return not self.groups or all(v is None for values in self.series.values() for v in values)
@@ -84,29 +85,33 @@ def draw(title: str, panels: list[Bars], path: Path, caption: str) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(SIZE_PX[0] / DPI, SIZE_PX[1] / DPI), dpi=DPI,
                              squeeze=False, layout="constrained")
-    fig.get_layout_engine().set(rect=(0, 0.06, 1, 0.94))
+    caption = textwrap.wrap(caption, 190)
+    fig.get_layout_engine().set(rect=(0, 0.01 + 0.027 * len(caption), 1, 0.99 - 0.027 * len(caption)))
     for ax, panel in zip(axes[0], panels):
-        _draw_bars(ax, panel)
+        _draw_bars(ax, panel, legend_columns=2 if len(panels) < 3 else 1)
     fig.suptitle(title, fontsize=11)
-    fig.text(0.005, 0.01, "\n".join(textwrap.wrap(caption, 190)), fontsize=7, color="0.3", va="bottom")
+    fig.text(0.005, 0.01, "\n".join(caption), fontsize=7, color="0.3", va="bottom")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
 
 
-def _draw_bars(ax, p: Bars) -> None:
+def _draw_bars(ax, p: Bars, *, legend_columns: int) -> None:
     width = 0.8 / len(p.series)
     top = max([v for values in p.series.values() for v in values if v is not None]
               + [y for _, y in p.lines] + [hi for s in p.spans.values() for r in s if r for hi in r[1:]])
+    baselines = list(p.series)[:1] if p.baselines is None else p.baselines
+    greys, colors = iter(GREYS), iter(COLORS)
     for i, (label, values) in enumerate(p.series.items()):
         xs = [g + (i - (len(p.series) - 1) / 2) * width for g in range(len(p.groups))]
         ax.bar(xs, [math.nan if v is None else v for v in values], width * 0.92, label=label,
-               color=COLORS[i % len(COLORS)])
+               color=next(greys) if label in baselines else next(colors))
         for g, (x, v) in enumerate(zip(xs, values)):
-            note = p.notes.get((g, label))
-            if note or v is not None:
-                ax.text(x, (v or 0) + top * 0.01, note or p.fmt.format(v), ha="center", va="bottom", fontsize=7,
-                        rotation=90 if note else 0)
+            if note := p.notes.get((g, label)):
+                ax.text(g if v is None else x, (v or 0) + top * 0.02, "\n".join(textwrap.wrap(note, 20)),
+                        ha="center", va="bottom", fontsize=8, color="#d62728")
+            elif v is not None:
+                ax.text(x, v + top * 0.01, p.fmt.format(v), ha="center", va="bottom", fontsize=7)
         ranges = p.spans.get(label, [])
         for x, v, r in zip(xs, values, ranges):
             if r and v is not None:
@@ -119,12 +124,18 @@ def _draw_bars(ax, p: Bars) -> None:
                           label=label if g == next(i for i, x in enumerate(values) if x is not None) else None)
     for label, y in p.lines:
         ax.axhline(y, color="#d62728", linestyle="--", lw=1.3, label=label)
-    ax.set_xticks(range(len(p.groups)), ["\n".join(textwrap.wrap(g, 16)) for g in p.groups], fontsize=8)
+    ax.set_xlim(-0.5, len(p.groups) - 0.5)
+    ax.set_xticks(range(len(p.groups)), ["\n".join(textwrap.wrap(g, 22)) for g in p.groups], fontsize=8)
     ax.set_ylabel(p.unit, fontsize=9)
-    ax.set_ylim(0, top * 1.3)
+    entries = len(p.series) + len(p.lines) + bool(p.floor)
+    ax.set_ylim(0, top * (1.12 + 0.1 * math.ceil(entries / legend_columns)))  # room for the legend above the bars
     ax.set_title(p.title, fontsize=9.5)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper center", ncols=legend_columns)
+
+
+def _blocks(n: int | None) -> str:
+    return f"{n} block{'s' * (n != 1)}" if n is not None else "? blocks"
 
 
 # ---- one function per benchmark: its report -> (title, panels) --------------------------------------------------
@@ -147,7 +158,7 @@ def capacity(report: dict) -> tuple[str, list[Bars]]:
         return base + max(planned.values()) / GiB if planned and base is not None else None
 
     blocks = scaling[0]["blocks"] if scaling else None
-    per_s = Bars(f"each worker at the end of its load, {blocks} block(s) per transformer", "peak RSS per worker (GiB)",
+    per_s = Bars(f"each worker at the end of its load, {_blocks(blocks)} per transformer", "peak RSS per worker (GiB)",
                  [f"S = {n}" for n in sizes],
                  {"vllm-omni's own load (baseline)": [worker(row("omni", n), "load_peak") for n in sizes],
                   "ours (rank_local; S = 1: full)": [worker(row("ours", n), "load_peak") for n in sizes],
@@ -158,14 +169,14 @@ def capacity(report: dict) -> tuple[str, list[Bars]]:
     for g, r in enumerate(limited):
         if r["status"] != "served":
             text = "OOM-killed" if r["status"] == "oom" else r["status"]
-            notes[(g, "the server (cgroup peak)")] = text + (f" ({r['oom_kills']} kills)" if r.get("oom_kills") else "")
-    limit = Bars(f"under one memory limit, {limited[0]['blocks']} blocks, S = {limited[0]['S']}" if limited else "",
+            notes[(g, "the server (cgroup peak)")] = text + (f" ({r['oom_kills']} kill{'s' * (r['oom_kills'] > 1)})" if r.get("oom_kills") else "")
+    limit = Bars(f"under one memory limit, {_blocks(limited[0]['blocks'])}, S = {limited[0]['S']}" if limited else "",
                  "memory (GiB)", [SETTING_LABELS.get(r["setting"], r["setting"]) for r in limited],
                  {"the server (cgroup peak)": [r["cgroup_peak"] / GiB if r.get("cgroup_peak") else None
                                                 for r in limited],
                   "largest worker at the end of its load": [worker(r, "load_peak") for r in limited]},
                  lines=[(f"memory limit ({limited[0]['limit'] / GiB:.1f} GiB)", limited[0]["limit"] / GiB)]
-                 if limited else [], notes=notes)
+                 if limited else [], notes=notes, baselines=())
     return "Memory per worker: vllm-omni's own load vs ours (Wan2.2 at A14B width, real servers)", [per_s, limit]
 
 
@@ -173,6 +184,8 @@ SETTING_LABELS = {"omni": "vllm-omni's own load", "omni-broadcast": "vllm-omni b
                   "omni-nolora-1": "vllm-omni, no LoRA, 1 rank", "omni-1": "vllm-omni's own load, 1 rank",
                   "ours-1": "ours, 1 rank", "omni-hsdp2": "vllm-omni's own HSDP, 2 ranks",
                   **{f"ours-hsdp2-{s}": f"ours {s}, 2 ranks" for s in ("full", "broadcast", "rank_local")}}
+LAYOUT_LABELS = {"2x1": "2 nodes x 1 rank, shard 2", "2x2-S4": "2 nodes x 2 ranks, shard 4",
+                 "2x2-R2S2": "2 nodes x 2 ranks, replicate 2 x shard 2"}
 STORAGE_LABELS = {"warm": "warm page cache", "cold": "cold local disk", "throttled": "read cap (throttled)",
                   "latency": "latency per request (FUSE)"}
 
@@ -184,12 +197,14 @@ def serve_startup(report: dict) -> tuple[str, list[Bars]]:
     settings = list(dict.fromkeys(key.rpartition("-")[0] for key in summary))
 
     def panel(key: str, title: str) -> Bars:
-        return Bars(title, "seconds (median)", [STORAGE_LABELS.get(k, k) for k in kinds],
+        unit = "seconds (median)" if report.get("repeats", 1) > 1 else "seconds"
+        return Bars(title, unit, [STORAGE_LABELS.get(k, k) for k in kinds],
                     {SETTING_LABELS.get(s, s): [summary.get(f"{s}-{k}", {}).get(key) for k in kinds]
-                     for s in settings}, fmt="{:.1f}")
+                     for s in settings}, fmt="{:.1f}",
+                    baselines=tuple(SETTING_LABELS.get(s, s) for s in settings if s.startswith("omni")))
 
-    return (f"vllm serve --omni startup, {report.get('blocks', '?')} block(s) per transformer at A14B width, "
-            f"medians of {report.get('repeats', '?')}",
+    return (f"vllm serve --omni startup, {_blocks(report.get('blocks'))} per transformer at A14B width, "
+            + (f"medians of {report['repeats']}" if report.get("repeats", 1) > 1 else "one run"),
             [panel("load_s", "workers' load phase (slowest worker)"), panel("ready_s", "launch to ready")])
 
 
@@ -219,11 +234,12 @@ def nodes(report: dict) -> tuple[str, list[Bars]]:
     strategies = ("full", "broadcast", "rank_local")
     label = {s: s + (" (baseline)" if s == "full" else "") for s in strategies}
     runs = {s: [layouts[name]["runs"][s] for name in layouts] for s in strategies}
-    load = Bars("load, slowest rank (median run; range of runs)", "seconds", list(layouts),
+    groups = [LAYOUT_LABELS.get(name, name) for name in layouts]
+    load = Bars("load, slowest rank (median run; range of runs)", "seconds", groups,
                 {label[s]: [r["load_s_max_rank"] for r in runs[s]] for s in strategies}, fmt="{:.1f}",
                 spans={label[s]: [(min(r["load_s_runs"]), max(r["load_s_runs"])) if r.get("load_s_runs") else None
                                   for r in runs[s]] for s in strategies})
-    read = Bars("bytes read by the busiest node", "GB", list(layouts),
+    read = Bars("bytes read by the busiest node", "GB per node", groups,
                 {label[s]: [max(r["bytes_read_per_node"]) / GB for r in runs[s]] for s in strategies},
                 lines=[("the whole DiT", report["bytes"] / GB)])
     return (f"Two nodes simulated on one host, {report['cap_mbps_per_node']:.0f} MB/s read cap per node, "
@@ -260,18 +276,21 @@ def gpu_proof(report: dict) -> tuple[str, list[Bars]]:
     panels = []
     if load := steps.get("bench_load"):
         t = {name: s["median_s"] for name, s in load["timings"].items()}
-        panels.append(Bars(f"a {load['bytes'] / GB:.2f} GB DiT onto the GPU", "seconds (median)",
-                           ["diffusers from_pretrained", "ours, build + load", "ours, preallocated"],
-                           {"seconds": [t.get("diffusers_from_pretrained"), t.get("ours_build_and_load"),
-                                        t.get("ours_preallocated")]}, fmt="{:.3f}",
+        panels.append(Bars("a DiT onto the GPU", "seconds (median)",
+                           [f"{load['bytes'] / GB:.2f} GB, medians of {load.get('repeats', '?')}"],
+                           {"diffusers from_pretrained (baseline)": [t.get("diffusers_from_pretrained")],
+                            "ours, build + load": [t.get("ours_build_and_load")],
+                            "ours, into a preallocated module": [t.get("ours_preallocated")]}, fmt="{:.3f}",
                            lines=[("floor: raw safetensors -> GPU copy", t["floor"])]))
     if lora := steps.get("lora_device"):
-        panels.append(Bars(f"LoRA fusion, {lora['weight_bytes'] / GB:.1f} GB on the GPU", "milliseconds",
-                           ["ours: fuse_lora on the GPU"], {"milliseconds": [lora["device_s"] * 1e3]},
-                           fmt="{:.1f}", lines=[("floor: HBM read + write", lora["hbm_floor_s"] * 1e3)]))
+        panels.append(Bars("LoRA fusion, weights on the GPU", "milliseconds",
+                           [f"{lora['layers']} layers, {lora['weight_bytes'] / GB:.1f} GB"],
+                           {"ours: fuse_lora on the GPU": [lora["device_s"] * 1e3]}, fmt="{:.1f}", baselines=(),
+                           lines=[("floor: HBM read + write once", lora["hbm_floor_s"] * 1e3)]))
         if lora.get("host_through_device_s"):
-            panels.append(Bars("weights in host memory", "seconds", ["through the GPU", "on the CPU"],
-                               {"seconds": [lora["host_through_device_s"], lora["host_on_cpu_s"]]}))
+            panels.append(Bars("LoRA fusion, weights in host memory", "seconds", ["the same layers"],
+                               {"on the CPU": [lora["host_on_cpu_s"]],
+                                "through the GPU": [lora["host_through_device_s"]]}, baselines=()))
     return "GPU proof: loads and LoRA fusion against the floors of the same run", panels
 
 
