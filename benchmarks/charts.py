@@ -75,6 +75,19 @@ def require() -> None:
     _pyplot()
 
 
+def add_plot_option(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's ``--plot PNG``; refused while parsing, before any measurement, where matplotlib is missing."""
+    def path(value: str) -> Path:
+        try:
+            require()
+        except RuntimeError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return Path(value)
+
+    parser.add_argument("--plot", type=path, metavar="PNG",
+                        help="also draw the results as a PNG chart (benchmarks/charts.py)")
+
+
 def this_host() -> str:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     return f"{platform.node()} ({os.cpu_count()} CPU cores, {ram:.0f} GiB RAM)"
