@@ -16,6 +16,7 @@ chart is drawn.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -70,16 +71,11 @@ def _pyplot():
     return plt
 
 
-def require() -> None:
-    """Fail now, before a long benchmark, when ``--plot`` could not be honoured."""
-    _pyplot()
-
-
 def add_plot_option(parser: argparse.ArgumentParser) -> None:
     """A benchmark's ``--plot PNG``; refused while parsing, before any measurement, where matplotlib is missing."""
     def path(value: str) -> Path:
         try:
-            require()
+            _pyplot()
         except RuntimeError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return Path(value)
@@ -114,7 +110,7 @@ def _draw_bars(ax, p: Bars, *, legend_columns: int) -> None:
     top = max([v for values in p.series.values() for v in values if v is not None]
               + [y for _, y in p.lines] + [hi for s in p.spans.values() for r in s if r for hi in r[1:]])
     baselines = list(p.series)[:1] if p.baselines is None else p.baselines
-    greys, colors = iter(GREYS), iter(COLORS)
+    greys, colors = itertools.cycle(GREYS), itertools.cycle(COLORS)
     for i, (label, values) in enumerate(p.series.items()):
         xs = [g + (i - (len(p.series) - 1) / 2) * width for g in range(len(p.groups))]
         ax.bar(xs, [math.nan if v is None else v for v in values], width * 0.92, label=label,
@@ -131,10 +127,9 @@ def _draw_bars(ax, p: Bars, *, legend_columns: int) -> None:
                 ax.errorbar(x, v, yerr=[[v - r[0]], [r[1] - v]], fmt="none", ecolor="black", capsize=3, lw=0.8)
     if p.floor:
         label, values = p.floor
-        for g, v in enumerate(values):
-            if v is not None:
-                ax.hlines(v, g - 0.44, g + 0.44, colors="black", linestyles="--", lw=1.2,
-                          label=label if g == next(i for i, x in enumerate(values) if x is not None) else None)
+        for g, v in ((g, v) for g, v in enumerate(values) if v is not None):
+            ax.hlines(v, g - 0.44, g + 0.44, colors="black", linestyles="--", lw=1.2, label=label)
+            label = None  # one legend entry
     for label, y in p.lines:
         ax.axhline(y, color="#d62728", linestyle="--", lw=1.3, label=label)
     ax.set_xlim(-0.5, len(p.groups) - 0.5)
@@ -152,15 +147,17 @@ def _blocks(n: int | None) -> str:
 
 
 # ---- one function per benchmark: its report -> (title, panels) --------------------------------------------------
+def worker(row: dict | None, key: str) -> float | None:
+    """GiB of ``key`` (``load_peak``, ``baseline``...) of ``bench_capacity.py`` row's largest worker."""
+    values = [w[key] for w in (row or {}).get("workers", {}).values() if w.get(key) is not None]
+    return max(values) / GiB if values else None
+
+
 def capacity(report: dict) -> tuple[str, list[Bars]]:
     """``bench_capacity.py``: each worker's memory at the end of its load against S (vllm-omni's own load, ours,
     the plan of ours), the floor its baseline; and the limit run: each server's peak against the limit."""
     scaling = sorted((r for r in report["rows"] if r["run"] == "scaling"), key=lambda r: r["S"])
     sizes = sorted({r["S"] for r in scaling})
-
-    def worker(row: dict | None, key: str) -> float | None:
-        values = [w[key] for w in (row or {}).get("workers", {}).values() if w.get(key) is not None]
-        return max(values) / GiB if values else None
 
     def row(setting: str, size: int) -> dict | None:
         return next((r for r in scaling if r["setting"] == setting and r["S"] == size), None)
@@ -171,26 +168,32 @@ def capacity(report: dict) -> tuple[str, list[Bars]]:
         return base + max(planned.values()) / GiB if planned and base is not None else None
 
     blocks = scaling[0]["blocks"] if scaling else None
-    per_s = Bars(f"each worker at the end of its load, {_blocks(blocks)} per transformer", "peak RSS per worker (GiB)",
-                 [f"S = {n}" for n in sizes],
+    per_s = Bars(f"each worker at the end of its load, {_blocks(blocks)} per transformer",
+                 "peak RSS per worker (GiB)", [f"S = {n}" for n in sizes],
                  {"vllm-omni's own load (baseline)": [worker(row("omni", n), "load_peak") for n in sizes],
                   "ours (rank_local; S = 1: full)": [worker(row("ours", n), "load_peak") for n in sizes],
                   "the plan of ours (baseline + planned)": [plan(n) for n in sizes]},
                  floor=("ours before its first weight byte", [worker(row("ours", n), "baseline") for n in sizes]))
     limited = [r for r in report["rows"] if r["run"] == "limit"]
-    notes = {}
-    for g, r in enumerate(limited):
-        if r["status"] != "served":
-            text = "OOM-killed" if r["status"] == "oom" else r["status"]
-            notes[(g, "the server (cgroup peak)")] = text + (f" ({r['oom_kills']} kill{'s' * (r['oom_kills'] > 1)})" if r.get("oom_kills") else "")
-    limit = Bars(f"under one memory limit, {_blocks(limited[0]['blocks'])}, S = {limited[0]['S']}" if limited else "",
-                 "memory (GiB)", [SETTING_LABELS.get(r["setting"], r["setting"]) for r in limited],
-                 {"the server (cgroup peak)": [r["cgroup_peak"] / GiB if r.get("cgroup_peak") else None
-                                                for r in limited],
-                  "largest worker at the end of its load": [worker(r, "load_peak") for r in limited]},
-                 lines=[(f"memory limit ({limited[0]['limit'] / GiB:.1f} GiB)", limited[0]["limit"] / GiB)]
-                 if limited else [], notes=notes, baselines=())
-    return "Memory per worker: vllm-omni's own load vs ours (Wan2.2 at A14B width, real servers)", [per_s, limit]
+    return "Memory per worker: vllm-omni's own load vs ours (Wan2.2 at A14B width, real servers)", [
+        per_s, _limit_run(limited)] if limited else [per_s]
+
+
+def _limit_run(rows: list[dict]) -> Bars:
+    """``bench_capacity.py``'s limit run: each server's cgroup peak and largest worker against the limit; what
+    did not serve is said on its bars."""
+    def note(r: dict) -> str:
+        kills = r.get("oom_kills") or 0
+        return ("OOM-killed" if r["status"] == "oom" else r["status"]) + (
+            f" ({kills} kill{'s' * (kills > 1)})" if kills else "")
+
+    server = "the server (cgroup peak)"
+    return Bars(f"under one memory limit, {_blocks(rows[0]['blocks'])}, S = {rows[0]['S']}", "memory (GiB)",
+                [SETTING_LABELS.get(r["setting"], r["setting"]) for r in rows],
+                {server: [r["cgroup_peak"] / GiB if r.get("cgroup_peak") else None for r in rows],
+                 "largest worker at the end of its load": [worker(r, "load_peak") for r in rows]},
+                lines=[(f"memory limit ({rows[0]['limit'] / GiB:.1f} GiB)", rows[0]["limit"] / GiB)],
+                notes={(g, server): note(r) for g, r in enumerate(rows) if r["status"] != "served"}, baselines=())
 
 
 SETTING_LABELS = {"omni": "vllm-omni's own load", "omni-broadcast": "vllm-omni broadcast", "ours": "ours rank_local",
@@ -203,6 +206,11 @@ STORAGE_LABELS = {"warm": "warm page cache", "cold": "cold local disk", "throttl
                   "latency": "latency per request (FUSE)"}
 
 
+def _storage_label(kind: str, note: str | None) -> str:
+    """``200 MB/s cap`` from the note ``benchmarks/storage.py`` gives a kind, or the kind's name."""
+    return note.split(" on ")[0] if note else STORAGE_LABELS.get(kind, kind)
+
+
 def serve_startup(report: dict) -> tuple[str, list[Bars]]:
     """``bench_serve_startup.py``: per storage kind, each setting's load phase and time to ready (medians)."""
     summary = report["summary"]
@@ -211,7 +219,7 @@ def serve_startup(report: dict) -> tuple[str, list[Bars]]:
 
     def panel(key: str, title: str) -> Bars:
         unit = "seconds (median)" if report.get("repeats", 1) > 1 else "seconds"
-        return Bars(title, unit, [STORAGE_LABELS.get(k, k) for k in kinds],
+        return Bars(title, unit, [_storage_label(k, report.get("storage", {}).get(k)) for k in kinds],
                     {SETTING_LABELS.get(s, s): [summary.get(f"{s}-{k}", {}).get(key) for k in kinds]
                      for s in settings}, fmt="{:.1f}",
                     baselines=tuple(SETTING_LABELS.get(s, s) for s in settings if s.startswith("omni")))
@@ -231,7 +239,7 @@ def distributed_load(report: dict) -> tuple[str, list[Bars]]:
         return max(values) / scale if values and None not in values else None
 
     def panel(key: str, title: str, unit: str, scale: float = 1.0) -> Bars:
-        return Bars(title, unit, [STORAGE_LABELS.get(k, k) for k in kinds],
+        return Bars(title, unit, [_storage_label(k, kinds[k].get("note")) for k in kinds],
                     {(s + " (baseline)" if s == "full" else s): [slowest(k, s, key, scale) for k in kinds]
                      for s in strategies})
 
@@ -273,7 +281,8 @@ def plan_real_size(report: dict) -> tuple[str, list[Bars]]:
     groups = [f"S = {row['S']}" for row in plans]
     peak = Bars("planned host peak per rank (largest rank)", "GB per rank",
                 groups, {names[s]: [get(row, s, "host_peak_max") for row in plans] for s in names}, fmt="{:.1f}",
-                floor=("held after the load (the rank's shards)", [get(row, "rank_local", "held_max") for row in plans]))
+                floor=("held after the load (the rank's shards)",
+                       [get(row, "rank_local", "held_max") for row in plans]))
     read = Bars("bytes read per rank (largest rank)", "GB per rank", groups,
                 {names[s]: [get(row, s, "bytes_read_max") for row in plans] for s in names}, fmt="{:.1f}")
     return "Wan2.2 A14B at its real size, planned by vllm-diffusion plan (both experts, bf16, two rank-64 LoRAs)", [
