@@ -245,7 +245,7 @@ def distributed_load(report: dict) -> tuple[str, list[Bars]]:
 
     return (f"full / broadcast / rank_local on {report['nproc']} local ranks, {report['bytes'] / GB:.2f} GB DiT",
             [panel("load_s", "load, slowest rank", "seconds"),
-             panel("peak_rss_bytes", "peak RSS, largest rank", "GB", GB)])
+             panel("peak_rss_bytes", "peak RSS, largest rank", "GB per rank", GB)])
 
 
 def nodes(report: dict) -> tuple[str, list[Bars]]:
