@@ -31,7 +31,7 @@ Goals (ratios in one run): under the limit ours serves and vllm-omni's own loads
 peak per worker <= baseline + 1.15 x DiT bytes / S; plan within 15%.
 
     python benchmarks/bench_capacity.py --out-dir /tmp/bench-capacity [--runs limit,scaling] [--blocks 6]
-        [--shard-size 2] [--limit-gib 19.5] [--scaling-blocks 1] [--scaling-sizes 1,2,4] [--json]
+        [--shard-size 2] [--limit-gib 19.5] [--scaling-blocks 1] [--scaling-sizes 1,2,4] [--json] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import charts  # noqa: E402
 from bench_serve_startup import _dit_bytes, build, worker_rank  # noqa: E402
 
 from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra environment for every server (VLLM_LOGGING_LEVEL=DEBUG: our rank_local load logs "
                              "its RSS per step)")
     parser.add_argument("--json", action="store_true")
+    charts.add_plot_option(parser)
     args = parser.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
     settings = [s for s in args.settings.split(",") if s]
@@ -331,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                             "baseline_rss, vllm-omni's own load the RSS our CPU platform logs before load_model"}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.plot:
+        charts.plot("capacity", result, args.plot)
     print(json.dumps(result, indent=1, default=str) if args.json else table(rows, goals))
     print(f"results: {args.out_dir / 'results.json'}; logs: {logs}", flush=True)
     return 0 if all(g["pass"] for g in goals) else 1

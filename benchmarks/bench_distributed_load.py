@@ -15,7 +15,7 @@ broadcast: ranks other than 0 read 0 bytes.
 
     python benchmarks/bench_distributed_load.py [--size-gb 2] [--nproc 2] [--repeats 1]
                                                 [--out-dir /tmp/vllm-diffusion-bench] [--json]
-                                                [--storage warm,cold,throttled,latency|all]
+                                                [--storage warm,cold,throttled,latency|all] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import charts  # noqa: E402
 from bench_load import ensure_checkpoint, warm_page_cache  # noqa: E402  (the shared, cached checkpoint)
 
 STRATEGIES = ("full", "broadcast", "rank_local")
@@ -142,6 +143,7 @@ def main(argv=None) -> dict:
                         "the strategies per storage kind, one JSON report")
     parser.add_argument("--bandwidth-mbps", type=float, default=200.0, help="'throttled' read cap (MB/s)")
     parser.add_argument("--latency-ms", type=float, default=4.0, help="'latency' delay per read request")
+    charts.add_plot_option(parser)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -154,40 +156,37 @@ def main(argv=None) -> dict:
     if args.storage:
         report = {"checkpoint": str(folder), "bytes": total, "nproc": args.nproc, "repeats": args.repeats,
                   "storage": per_storage(args, folder, total)}
-        print(json.dumps(report, indent=2))
-        return report
-    warm_page_cache(source.files)
+    else:
+        warm_page_cache(source.files)
+        results = {}
+        for strategy in STRATEGIES:
+            runs = []
+            for i in range(args.repeats):
+                _log(f"  {strategy} run {i + 1}/{args.repeats} ...")
+                runs.append(checked_run(folder, strategy, args.nproc))
+            results[strategy] = summarize(runs)
+        ratios, goals = judge(results, total, args.nproc)
+        report = {"checkpoint": str(folder), "bytes": total, "shards": len(source.files), "nproc": args.nproc,
+                  "repeats": args.repeats, "strategies": results, "ratios": ratios, "goals": goals}
+    print(json.dumps(report, indent=2) if args.json or args.storage else table(report))
+    if args.plot:
+        charts.plot("distributed_load", report, args.plot)
+    return report
 
-    results = {}
-    for strategy in STRATEGIES:
-        runs = []
-        for i in range(args.repeats):
-            _log(f"  {strategy} run {i + 1}/{args.repeats} ...")
-            runs.append(checked_run(folder, strategy, args.nproc))
-        results[strategy] = summarize(runs)
 
-    s = args.nproc
-    ratios, goals = judge(results, total, s)
-    report = {"checkpoint": str(folder), "bytes": total, "shards": len(source.files), "nproc": s,
-              "repeats": args.repeats, "strategies": results, "ratios": ratios, "goals": goals}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return report
-    print(f"{total / 1e9:.2f} GB checkpoint, {len(source.files)} shards, {s} ranks on CPU/gloo, "
-          f"median of {args.repeats} run(s)")
-    print(f"  {'strategy':<11}{'wall s':>8}{'load s/rank':>18}{'GB read/rank':>22}{'peak RSS GB/rank':>22}")
-    for name, res in results.items():
+def table(report: dict) -> str:
+    lines = [f"{report['bytes'] / 1e9:.2f} GB checkpoint, {report['shards']} shards, {report['nproc']} ranks on "
+             f"CPU/gloo, median of {report['repeats']} run(s)",
+             f"  {'strategy':<11}{'wall s':>8}{'load s/rank':>18}{'GB read/rank':>22}{'peak RSS GB/rank':>22}"]
+    for name, res in report["strategies"].items():
         load = " / ".join(f"{r['load_s']:.1f}" for r in res["ranks"])
         read = " / ".join(f"{r['bytes_read'] / 1e9:.2f}" for r in res["ranks"])
         rss = " / ".join(f"{r['peak_rss_bytes'] / 1e9:.2f}" for r in res["ranks"])
-        print(f"  {name:<11}{res['wall_s']:>8.1f}{load:>18}{read:>22}{rss:>22}")
-    for name, res in results.items():
-        print(f"  {name} phases (rank 0): {res['ranks'][0]['phases_s']}")
-    for name, value in ratios.items():
-        print(f"  {name:48s} {value:6.2f}")
-    for name, ok in goals.items():
-        print(f"  goal {name:48s} {'PASS' if ok else 'FAIL'}")
-    return report
+        lines.append(f"  {name:<11}{res['wall_s']:>8.1f}{load:>18}{read:>22}{rss:>22}")
+    lines += [f"  {name} phases (rank 0): {res['ranks'][0]['phases_s']}" for name, res in report["strategies"].items()]
+    lines += [f"  {name:48s} {value:6.2f}" for name, value in report["ratios"].items()]
+    lines += [f"  goal {name:48s} {'PASS' if ok else 'FAIL'}" for name, ok in report["goals"].items()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Goals (from issue 28): rank_local reads <= 0.55x the DiT bytes per node and load
 broadcast in between. Needs root, losetup, mkfs.ext4, unshare and a cgroup io/blkio controller (see README).
 
     python benchmarks/bench_nodes.py [--size-gb 1] [--layouts 2x1,2x2-S4,2x2-R2S2] [--bandwidth-mbps 200]
-                                     [--repeats 1] [--json]
+                                     [--repeats 1] [--json] [--plot PNG]
 
 On two real machines, without namespaces or caps, run on each node (NODE = 0 or 1, HEAD = node 0's address):
 
@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import ensure_checkpoint  # noqa: E402  (the shared, cached checkpoint)
+import charts  # noqa: E402
 from storage import capped_cgroup, loop_copy  # noqa: E402
 
 from vllm_diffusion_plugin.tools.pagecache import evict, files_under  # noqa: E402
@@ -131,6 +132,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--port", type=int, default=29511)
     parser.add_argument("--timeout-s", type=float, default=120.0, help="per run (both nodes)")
     parser.add_argument("--json", action="store_true")
+    charts.add_plot_option(parser)
     args = parser.parse_args(argv)
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     unknown = [name for name in layouts if name not in LAYOUTS]
@@ -166,6 +168,8 @@ def main(argv=None) -> dict:
             ratios, goals = judge(rows, total)
             report["layouts"][layout] = {"runs": rows, "ratios": ratios, "goals": goals}
     print(json.dumps(report, indent=2))
+    if args.plot:
+        charts.plot("nodes", report, args.plot)
     return report
 
 

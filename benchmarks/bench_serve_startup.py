@@ -37,6 +37,7 @@ Usage (the ``[omni]`` environment)::
 
     python benchmarks/bench_serve_startup.py --out-dir /tmp/bench-serve [--blocks 1] [--repeats 1]
         [--settings omni-1,ours-1,omni-hsdp2,ours-hsdp2-rank_local] [--storage warm,cold,throttled,latency] [--json]
+        [--plot PNG]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import charts  # noqa: E402
 import storage  # noqa: E402
 from bench_lora_prepare import CONFIG, write_lora  # noqa: E402
 
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra environment for every server (e.g. VLLM_LOGGING_LEVEL=DEBUG: our rank_local "
                              "load logs its memory per step)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON (also in results.json)")
+    charts.add_plot_option(parser)
     args = parser.parse_args(argv)
     settings = list(SETTINGS) if args.settings == "all" else [s for s in args.settings.split(",") if s]
     try:
@@ -348,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
               "wall_s": round(time.monotonic() - t0, 1), "summary": summary, "goals": goal_rows, "runs": rows}
     logs.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        charts.plot("serve_startup", result, args.plot)
     print(json.dumps(result, indent=1) if args.json else table(summary, goal_rows))
     print(f"results: {args.out_dir / 'results.json'}; logs: {logs}", flush=True)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         "no per-step limits: a loaded CI host is slow, not hung)")
     parser.add_argument("--cpu-check", action="store_true", help="tiny sizes on the CPU: check the plumbing")
     parser.add_argument("--steps", default="cuda_tests,floors,bench_load,lora_device,e2e_lora,omni_serve")
+    parser.add_argument("--plot", type=Path, help="also chart the GPU figures as a PNG (benchmarks/charts.py)")
     args = parser.parse_args(argv)
     if args.budget_s is None:
         args.budget_s = 1500.0 if args.cpu_check else 450.0
@@ -215,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         args.out.write_text(text)
+    if args.plot:  # after the report is saved; a --cpu-check report has no GPU figures and draws nothing
+        import charts  # benchmarks/charts.py, beside this script
+
+        charts.plot("gpu_proof", report, args.plot)
     complete = all(s["status"] in ("ran", "skipped") for s in report["steps"].values())
     omni = report["steps"].get("omni_serve", {})
     complete = complete and omni.get("returncode", 0) == 0

@@ -25,6 +25,7 @@ for ours (``rank_local``) and for vllm-omni's own load (every DiT whole on every
 it; ``broadcast`` as its broadcast). With one rank every strategy runs as ``full``.
 
     python benchmarks/plan_real_size.py [--out-dir /tmp/vllm-diffusion-real-size] [--sizes 1,4,8] [--json]
+        [--plot PNG]
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from pathlib import Path
 from types import MappingProxyType
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import charts  # noqa: E402
 
 WAN_A14B = dict(patch_size=[1, 2, 2], num_attention_heads=40, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
@@ -321,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/vllm-diffusion-real-size"))
     parser.add_argument("--sizes", default="1,4,8", help="comma list of S (world size = shard size, replicate 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    charts.add_plot_option(parser)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if not sizes or min(sizes) < 1:
@@ -330,10 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     disk = sum(p.stat().st_blocks * 512 for p in Path(manifest["pipeline"]).rglob("*") if p.is_file())
     _log(f"folder {manifest['pipeline']}: {disk / 1e6:.1f} MB on disk")
     rows = run_plans(manifest, sizes)
-    if args.json:
-        print(json.dumps({"manifest": manifest, "pipeline_disk_bytes": disk, "plans": rows}, indent=2))
-    else:
-        print(format_table(rows, manifest))
+    report = {"manifest": manifest, "pipeline_disk_bytes": disk, "plans": rows}
+    print(json.dumps(report, indent=2) if args.json else format_table(rows, manifest))
+    if args.plot:
+        charts.plot("plan_real_size", report, args.plot)
     return 0
 
 

@@ -143,6 +143,7 @@ def parse_subcommand(cmd_init: Callable[[], list], parser: argparse.ArgumentPars
 def script_main(path: Path):
     spec = importlib.util.spec_from_file_location(f"_docs_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module.main
 

@@ -1,4 +1,5 @@
-"""Every command in README.md and docs/ parses as written (see ``docs_commands``): no stale flag can ship.
+"""Every command in README.md and docs/ parses as written (see ``docs_commands``): no stale flag can ship; every
+image they show (the charts of ``docs/charts``) exists.
 
 The ``vllm serve ... --omni`` commands need vllm-omni's parser: ``tests/omni/test_docs_serve_commands.py``.
 """
@@ -6,10 +7,12 @@ The ``vllm serve ... --omni`` commands need vllm-omni's parser: ``tests/omni/tes
 from __future__ import annotations
 
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 from docs_commands import (
-    ROOT, Command, all_commands, commands, commands_in_block, extras, parse_only, requested_extras, script_main,
+    PAGES, ROOT, Command, all_commands, commands, commands_in_block, extras, parse_only, requested_extras, script_main,
     serve_errors)
 
 COMMANDS = all_commands()
@@ -107,3 +110,34 @@ def test_json_arguments_on_several_lines_and_continuations_are_one_command(tmp_p
     assert [(c.env, c.argv) for c in found] == [
         ({"A": "1"}, ["vllm", "serve", "M", "--additional-config", '{"diffusion_hsdp":\n      {"lora_path": []}}']),
         ({}, ["echo", "x"]), ({}, ["pip", "install", "-e", "."])]
+
+
+_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def images(page: Path) -> list[str]:
+    """The targets of the markdown images ``page`` shows (``![alt](path)``)."""
+    return _IMAGE.findall(page.read_text())
+
+
+def missing_images(page: Path) -> list[str]:
+    """The images ``page`` shows that are not files (paths relative to the page; web addresses not checked)."""
+    return [target for target in images(page) if "://" not in target and not (page.parent / target).is_file()]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_every_image_a_page_shows_exists(page):
+    assert not missing_images(page), f"{page.relative_to(ROOT)} shows missing images: {missing_images(page)}"
+
+
+def test_a_missing_image_fails_the_check(tmp_path):
+    (tmp_path / "charts").mkdir()
+    (tmp_path / "charts" / "here.png").write_bytes(b"")
+    page = tmp_path / "page.md"
+    page.write_text("![a chart](charts/here.png)\n\ntext ![gone](charts/gone.png) [a link](charts/x.png)\n")
+    assert missing_images(page) == ["charts/gone.png"]
+
+
+def test_the_readme_and_the_figure_pages_show_charts():
+    shown = {page.name: [t for t in images(page) if "charts/" in t] for page in PAGES}
+    assert shown["README.md"] and shown["performance.md"] and shown["plan-and-memory.md"], shown
