@@ -18,7 +18,8 @@ in ``--out-dir``. Each measurement runs ``--repeats`` times after the page cache
                   so (c) alone has not read the bytes yet -- (c') is what a consumer of the weights pays.
 
 Goals: on the CPU (b1) throughput >= 0.8x the floor; on an accelerator (b1) >= 4x the naive pageable copy (a) and
-(c) takes >= 3x as long as (b2) (on the CPU both map the file and copy nothing, so that goal is not set there). ``--fresh`` (CPU) adds build + read
+(c) takes >= 3x as long as (b2) (on the CPU both map the file and copy nothing, so that goal is not set there).
+``--fresh`` (CPU) adds build + read
 in fresh processes (``FRESH``): ours, as the pipeline loads (copy-on-write mapped weights), no slower than
 diffusers ``from_pretrained``, untouched and with every page touched afterwards.
 
@@ -277,7 +278,8 @@ def main(argv=None) -> dict:
         goals = {"ours >= 0.8x floor": ratios["ours_preallocated_vs_floor_throughput"] >= 0.8}
     else:
         goals = {"ours >= 4x the naive pageable copy": ratios["ours_preallocated_vs_floor_throughput"] >= 4.0,
-                 "diffusers >= 3x slower than ours (build+load)": ratios["diffusers_vs_ours_build_and_load_time"] >= 3.0}
+                 "diffusers >= 3x slower than ours (build+load)":
+                     ratios["diffusers_vs_ours_build_and_load_time"] >= 3.0}
     if "fresh ours_mapped" in med:
         goals["fresh: ours (mapped) no slower than diffusers (untouched and touched)"] = (
             ratios["fresh: diffusers vs ours (mapped) build+read time"] >= 1.0

@@ -15,7 +15,8 @@ weights, 28.1 GB). On the device, fusion is memory-bound: the floor reads and wr
   once-per-process probe measured faster; the probe's own seconds beside it), timed on ``1/--host-fraction`` of
   the layers and scaled to the whole transformer.
 
-Goals (PASS/FAIL): ``device`` <= 2x the HBM floor; ``auto`` <= 1.2x the faster of the two host paths. ``--tiny`` runs the same plumbing on small shapes (with
+Goals (PASS/FAIL): ``device`` <= 2x the HBM floor; ``auto`` <= 1.2x the faster of the two host paths. ``--tiny``
+runs the same plumbing on small shapes (with
 ``--device cpu`` the device rows are the CPU path and the host-through-device rows are skipped).
 
     python benchmarks/bench_lora_device.py [--device cuda] [--host-fraction 8] [--tiny] [--json]

@@ -12,7 +12,8 @@ side runs in a fresh process per repeat (imports, page cache warm, alike for bot
   (PEFT underneath), each step timed in the child.
 
 The last repeat of each also saves the fused experts (ours ``--save-fused``, diffusers ``save_pretrained``; the
-saving's seconds are taken off its wall time) and every tensor is compared: elements equal, and the largest difference in bf16 units in the last place of the largest
+saving's seconds are taken off its wall time) and every tensor is compared: elements equal, and the largest
+difference in bf16 units in the last place of the largest
 operand (PEFT adds a delta already rounded to bf16; ours rounds once).
 
 Goals (ratios of medians): on an accelerator, ours ready >= 3x sooner than diffusers; on the CPU, our whole
@@ -121,8 +122,8 @@ def diffusers(pipeline: Path, loras: list[Path], device: str, env: dict, save: P
            "--device", device, *(["--save", str(save)] if save else [])]
     seconds, out = run_child(cmd, env)
     phases = json.loads(out.strip().splitlines()[-1])
-    return {"wall_s": seconds - phases.get("save_s", 0.0), "lora_s": phases["load_lora_weights_s"] + phases["fuse_lora_s"],
-            "phases": phases}
+    return {"wall_s": seconds - phases.get("save_s", 0.0),
+            "lora_s": phases["load_lora_weights_s"] + phases["fuse_lora_s"], "phases": phases}
 
 
 def compare(ours_dir: Path, theirs_dir: Path, pipeline: Path) -> dict:
@@ -183,7 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
     for repeat in range(args.repeats):  # alternated, so drift on the host hits both; the last one saves
         last = repeat == args.repeats - 1
         runs["ours"].append(ours(pipeline, loras, args.device, env, save=saved / "ours" if last else None))
-        runs["diffusers"].append(diffusers(pipeline, loras, args.device, env, save=saved / "diffusers" if last else None))
+        runs["diffusers"].append(diffusers(pipeline, loras, args.device, env,
+                                           save=saved / "diffusers" if last else None))
     weights = compare(saved / "ours", saved / "diffusers", pipeline)
     shutil.rmtree(saved, ignore_errors=True)
 
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
            for side, rows in runs.items()}
     ratios = {"diffusers_vs_ours_ready": med["diffusers"]["wall_s"] / med["ours"]["wall_s"],
               "ours_vs_diffusers_lora_phase": med["ours"]["lora_s"] / med["diffusers"]["lora_s"]}
-    goals = [{"goal": "fused weights within 2 bf16 ulps of diffusers + PEFT's (one rounding each, PEFT's delta one more)",
+    goals = [{"goal": "fused weights within 2 bf16 ulps of diffusers + PEFT's (one rounding each, PEFT's delta one "
+                      "more)",
               "ratio": round(weights["max_diff_bf16_ulps"], 2), "pass": weights["max_diff_bf16_ulps"] <= 2.0}]
     if args.device == "cpu":
         goals.append({"goal": "CPU: our lora phase <= diffusers' load_lora_weights + fuse_lora",

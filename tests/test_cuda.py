@@ -1,8 +1,9 @@
 """Proofs that need a real CUDA GPU (``-m cuda``; skipped without one). ``benchmarks/gpu_proof.py`` runs them.
 
 - The LoRA device rule (DESIGN.md fix #1) on real CUDA: CPU-resident weights fused through the GPU (pinned
-  staging) equal the float64 reference within one rounding; a real CUDA out-of-memory in the middle of a fusion call (a per-process memory
-  fraction) moves that one tensor to the CPU path, with one warning and the same numbers.
+  staging) equal the float64 reference within one rounding; a real CUDA out-of-memory in the middle of a fusion
+  call (a per-process memory fraction) moves that one tensor to the CPU path, with one warning and the same
+  numbers.
 - Seed bug #3 on real CUDA DTensors (a one-rank NCCL mesh): the naive per-parameter ``.data`` move either raises
   the seed's "set the storage ... to a storage on different device" error or (torch 2.11, as seen on an H200)
   moves the DTensor wrapper without its local shard; the whole-module move fix #3 uses keeps both together, and

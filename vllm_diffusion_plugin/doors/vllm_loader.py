@@ -65,13 +65,13 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Check the configured LoRA files against the model (before any read), stream the checkpoint through
         ``model.load_weights`` (vLLM's stacked-parameter mapping applies), check every parameter was loaded,
-        then fuse the LoRA files."""
+        then fuse the LoRA files. Onto an accelerator the bytes go through pinned staging (``pinned_staging_mb``)."""
         from vllm_diffusion_plugin.engine.weights import load_into_module
 
         source = self._source(model_config)
         loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
         result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
-                                  threads=self.options.threads)
+                                  threads=self.options.threads, staging=self._staging(model))
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
                     result.bytes_read / 1e6, source.folder, result.seconds)
         if loras is not None:
@@ -95,7 +95,16 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                 f"tensors into parameters. Restart with the new weights instead")
         from vllm_diffusion_plugin.engine.weights import iterate_weights
 
-        return iterate_weights(self._source(model_config), threads=self.options.threads)
+        return iterate_weights(self._source(model_config), threads=self.options.threads, staging=self._staging(model))
+
+    def _staging(self, model: nn.Module):
+        """``reader.DeviceStaging`` for the accelerator the model's parameters are on, or None (host, mixed)."""
+        from vllm_diffusion_plugin.engine import platform
+        from vllm_diffusion_plugin.engine.reader import DeviceStaging
+
+        device = platform.accelerator_of([model])
+        return None if device is None else DeviceStaging.open(device, max_bytes=self.options.pinned_staging_mb << 20,
+                                                              threads=self.options.threads)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         from vllm.utils.torch_utils import set_default_torch_dtype

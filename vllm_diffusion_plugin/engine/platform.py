@@ -91,6 +91,12 @@ def usable_device(device: torch.device | str) -> torch.device | None:
     return device
 
 
+def accelerator_of(modules) -> torch.device | None:
+    """The one accelerator every materialized parameter of ``modules`` is on, else None (host, mixed, nothing)."""
+    devices = {p.device for m in modules for p in m.parameters() if p.device.type != "meta"}
+    return devices.pop() if len(devices) == 1 and next(iter(devices)).type != "cpu" else None
+
+
 def dist_backend(device: torch.device | str) -> str:
     """The torch.distributed backend for ``device``: nccl, hccl, xccl or gloo.
 

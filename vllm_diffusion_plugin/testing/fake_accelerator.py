@@ -30,9 +30,9 @@ i.e. the C++-only ``resizePrivateUse1Bytes`` hook) -- use multi-process gloo on 
 numerics; real collectives (the fake process group runs them but returns garbage);
 ``pin_memory()`` (``torch.fakeacc.pinned_empty`` stands for it); device RNG generators (device randomness
 draws from the CPU generator); the generic ``torch.Stream``/``torch.Event`` (``torch.fakeacc.Stream``/``Event``
-model asynchronous copies instead: :mod:`.fake_streams`); ``torch.accelerator.synchronize/empty_cache/memory_allocated`` (they reach C++
-device-guard/allocator hooks; generic code calling ``getattr(torch, dev.type).synchronize()``
-etc. gets ``torch.fakeacc``, which has them).
+model asynchronous copies instead: :mod:`.fake_streams`); ``torch.accelerator.synchronize/empty_cache/
+memory_allocated`` (they reach C++ device-guard/allocator hooks; generic code calling
+``getattr(torch, dev.type).synchronize()`` etc. gets ``torch.fakeacc``, which has them).
 PrivateUse1 can be renamed once per process, so ``fakeacc`` cannot coexist with another
 PrivateUse1 backend (e.g. torch_npu) in one process; :func:`install` raises if one is present.
 

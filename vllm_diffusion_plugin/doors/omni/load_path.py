@@ -111,6 +111,16 @@ class DitSource:
     report: ComponentReport
     threads: int = 1
     """Threads reading its bytes (``engine.reader``)."""
+    staging_bytes: int = 0
+    """Page-locked bytes its reads onto an accelerator stage through (``pinned_staging_mb``; 0: pageable copies)."""
+
+    def staging(self, device: torch.device | None):
+        """``reader.DeviceStaging`` for reads landing on ``device``, or None (no accelerator, 0 bytes, no pinned
+        memory on this host)."""
+        from vllm_diffusion_plugin.engine.reader import DeviceStaging
+
+        return None if device is None else DeviceStaging.open(device, max_bytes=self.staging_bytes,
+                                                              threads=self.threads)
 
 
 def component_name(omni_source: Any) -> str:
@@ -131,13 +141,16 @@ def resolve_sources(omni_sources: Sequence[Any], *, allow_pickle: bool) -> list[
     return resolved
 
 
-def stream(dits: Iterable[DitSource]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every DiT's tensors, prefixed with vllm-omni's source prefix, LoRA fused; counts bytes per component."""
+def stream(dits: Iterable[DitSource], device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every DiT's tensors, prefixed with vllm-omni's source prefix, LoRA fused; counts bytes per component.
+    ``device``: where the DiTs' parameters are (an accelerator): the tensors are handed out there, copied through
+    pinned staging (``DitSource.staging``), so vllm-omni's weight loaders copy device to device."""
     from vllm_diffusion_plugin.engine.weights import LoadStats, iterate_weights
 
     for dit in dits:
         stats, start = LoadStats(), time.perf_counter()
-        for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads):
+        for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads,
+                                            staging=dit.staging(device)):
             if dit.fuser is not None:
                 tensor = dit.fuser(name, tensor)
             yield dit.prefix + name, tensor

@@ -232,7 +232,8 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
                                      chunk_mb=options.lora_device_chunk_mb,
                                      check_finite=options.lora_check_finite,
                                      host_weights=options.lora_host_weights)
-        dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads))
+        dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads,
+                                        staging_bytes=options.pinned_staging_mb << 20))
         state["report"].components.append(report)
     return dits
 
@@ -240,10 +241,13 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
 def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_cpu: bool = False) -> None:
     """``load_path`` for ``model``'s DiT sources (see the module docstring)."""
     from vllm_diffusion_plugin.doors.omni import load_path
+    from vllm_diffusion_plugin.engine import platform
 
     dits = prepare_dits(loader, model, sources)
     expected = loader._get_expected_parameter_names(model)
-    weights = load_path.stream(dits)
+    device = None if stream_online_quant_to_cpu else platform.accelerator_of(
+        model.get_submodule(dit.prefix.rstrip(".")) if dit.prefix else model for dit in dits)
+    weights = load_path.stream(dits, device)
     if stream_online_quant_to_cpu:
         weights = loader._stream_online_quant_weights_to_cpu(model, weights)
     loaded = model.load_weights(weights)

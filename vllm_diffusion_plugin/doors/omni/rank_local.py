@@ -314,7 +314,8 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for dit in dits:
         start = time.perf_counter()
-        keys, stats = read_bound_rows(dit.source, bindings[dit.component], targets, threads=dit.threads)
+        keys, stats = read_bound_rows(dit.source, bindings[dit.component], targets, threads=dit.threads,
+                                      staging=dit.staging(device))
         dit.report.bytes_read, dit.report.tensors = stats.total_bytes, len(keys)
         dit.report.read_s = time.perf_counter() - start
         unbound = sorted(set(dit.source.tensors) - keys)

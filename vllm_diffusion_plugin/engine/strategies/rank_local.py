@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
