@@ -204,11 +204,9 @@ def test_weights_can_be_handed_out_on_the_accelerator_and_errors_name_the_file(t
     assert handed.keys() == on_host.keys()
     assert all(t.device == fake_accelerator.device and torch.equal(t.cpu(), on_host[k]) for k, t in handed.items())
 
-    def failing(tensor):
-        def fill(buffer, start):
-            raise OSError(5, "Input/output error")
-        return fill
+    def failing_read(fd, offset, buffer, file):
+        raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(reader, "tensor_bytes", failing)
+    monkeypatch.setattr(reader, "pread_into", failing_read)
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.*error while reading tensor .*Input/output"):
         list(iterate_weights(source, staging=staging, threads=2))

@@ -10,6 +10,7 @@ shape and dtype from the file headers *before* touching the module, so a mismatc
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -170,12 +171,43 @@ def _named(file: Path | str, key: str, work, *args) -> None:
         raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
 
 
-def _named_fill(file: Path | str, key: str, tensor: torch.Tensor):
-    """``reader.tensor_bytes(tensor)`` whose errors name the file and the tensor."""
-    from vllm_diffusion_plugin.engine.reader import tensor_bytes
+class _FileReads:
+    """``fill`` callables for ``reader.StagedCopy``: each tensor's bytes ``pread`` from its safetensors file into the
+    staging buffer (one kernel copy from the page cache, no mapping, no page faults), errors naming the file and
+    the tensor. Each file's header is read again when it is first opened and must still be the resolved one; one
+    descriptor per file, closed on exit."""
 
-    fill = tensor_bytes(tensor.contiguous())
-    return lambda buffer, start: _named(file, key, fill, buffer, start)
+    def __init__(self, source: ComponentSource) -> None:
+        self.source = source
+        self._open: dict[Path, tuple[int, int]] = {}
+
+    def fill(self, key: str):
+        from vllm_diffusion_plugin.engine.reader import pread_into
+
+        info = self.source.tensors[key]
+        fd, data_start = self._descriptor(info.file)
+        return lambda buffer, start: _named(info.file, key, pread_into, fd, data_start + info.offset + start,
+                                            buffer, info.file)
+
+    def _descriptor(self, file: Path) -> tuple[int, int]:
+        if file not in self._open:
+            from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+
+            header = read_safetensors_header(file)
+            changed = [k for k in self.source.keys_in(file) if header.get(k) != self.source.tensors[k]]
+            if changed:
+                raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+            fd = os.open(file, os.O_RDONLY)
+            self._open[file] = (fd, 8 + int.from_bytes(os.pread(fd, 8, 0), "little"))
+        return self._open[file]
+
+    def __enter__(self) -> _FileReads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for fd, _ in self._open.values():
+            os.close(fd)
+        self._open.clear()
 
 
 def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
@@ -189,16 +221,20 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
     staged = staging is not None and source.format == "safetensors"
     parallel = threads > 1 and source.format == "safetensors" and not staged
     items = ((file, key, tensor) for file, file_keys in plan
-             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel or staged))
+             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
 
     def read(item: tuple[Path, str, torch.Tensor]) -> None:  # one thread: the consumer reads as it copies
         if parallel:
             _named(*item[:2], reader.fault_in, item[2])
 
-    def copies() -> Iterator[reader.StagedCopy]:
-        for file, key, tensor in items:
-            dst = torch.empty(tensor.shape, dtype=tensor.dtype, device=staging.device)
-            yield reader.StagedCopy(dst, tensor.dtype, _named_fill(file, key, tensor), (file, key, dst))
+    reads = _FileReads(source)
+
+    def copies() -> Iterator[reader.StagedCopy]:  # straight from the files into device tensors
+        for file, file_keys in plan:
+            for key in file_keys:
+                info = source.tensors[key]
+                dst = torch.empty(info.shape, dtype=info.dtype, device=staging.device)
+                yield reader.StagedCopy(dst, info.dtype, reads.fill(key), (file, key, dst))
 
     handed = (staging.copy(copies(), threads=threads) if staged else
               (item for item, _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
@@ -216,6 +252,7 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
                 bar.update(nbytes)
             yield key, tensor
     finally:
+        reads.__exit__()
         if bar is not None:
             bar.close()
 
@@ -344,12 +381,12 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
         if source is not None:
             validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=strict_unexpected,
                              origin=origin)
-        staged = staging is not None and weights is None
+        staged = staging is not None and weights is None and source.format == "safetensors"
         stream = weights if weights is not None else iterate_weights(
             source, keys=[k for k in source.tensors if k in targets], progress=progress,
             map_private=map_private or staged, threads=1 if staged else threads)  # staged: its threads read
         checked = _Checked(targets, _counted(stream, stats, named_by), strict_unexpected, origin, named_by)
-        loaded = (_stage_all(checked, staging, threads, named_by) if staged
+        loaded = (_stage_all(checked, staging, threads, source) if staged
                   else _copy_all(checked, assign=map_private and weights is None))
         unexpected = tuple(checked.unexpected)
         unexpected += tuple(k for k in (source.tensors if source is not None and weights is None else ())
@@ -421,20 +458,20 @@ def _copy_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], assign:
 
 def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], staging: DeviceStaging, threads: int,
                source: ComponentSource) -> set[str]:
-    """``_copy_all`` through ``staging``: targets on its device (contiguous) are filled by its ring, any other
-    target is copied at once."""
+    """``_copy_all`` through ``staging``: targets on its device (contiguous) are filled by its ring straight from the
+    files (``_FileReads``), any other target is copied at once."""
     from vllm_diffusion_plugin.engine.reader import StagedCopy
 
     loaded: set[str] = set()
 
-    def copies() -> Iterator[StagedCopy]:
-        for name, target, tensor in checked:
+    def copies(reads: _FileReads) -> Iterator[StagedCopy]:
+        for name, target, tensor in checked:  # tensor: a mapped view, for the checks; its bytes are pread
             if target.device.type == staging.device.type and target.is_contiguous():
-                yield StagedCopy(target.data, tensor.dtype, _named_fill(source.tensors[name].file, name, tensor), name)
+                yield StagedCopy(target.data, tensor.dtype, reads.fill(name), name)
             else:
                 target.data.copy_(tensor)
                 loaded.add(name)
 
-    with torch.no_grad():
-        loaded.update(staging.copy(copies(), threads=threads))
+    with torch.no_grad(), _FileReads(source) as reads:
+        loaded.update(staging.copy(copies(reads), threads=threads))
     return loaded
