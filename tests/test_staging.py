@@ -210,3 +210,31 @@ def test_weights_can_be_handed_out_on_the_accelerator_and_errors_name_the_file(t
     monkeypatch.setattr(reader, "pread_into", failing_read)
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.*error while reading tensor .*Input/output"):
         list(iterate_weights(source, staging=staging, threads=2))
+
+
+def test_full_sharded_blocks_cross_through_the_ring_before_fsdp_shards_them(fake_accelerator):
+    """``apply_hsdp`` with staging: each host-resident block crosses asynchronously just before FSDP2 shards it;
+    the shards hold the same values as a module moved whole first (FSDP2's own move of host tensors does not run
+    on the Python fake device)."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
+    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(16, 32), *(nn.Sequential(nn.Linear(32, 32)) for _ in range(3)))
+
+    shards = {}
+    with fake_mesh((1, 2)) as mesh:
+        for staged in (False, True):
+            module = model() if staged else model().to(fake_accelerator.device)
+            fake_accelerator.reset_counters()
+            staging = reader.DeviceStaging(fake_accelerator.device, max_bytes=2 * MIB, slots=2) if staged else None
+            apply_hsdp(module, mesh=mesh, config=HSDPConfig(), pattern=r"^\d+$", staging=staging)
+            assert all(isinstance(p, DTensor) and p.device == fake_accelerator.device for p in module.parameters())
+            shards[staged] = (state(module), fake_accelerator.h2d_async_bytes)
+    bytes_ = sum(p.numel() * p.element_size() for p in model().parameters())
+    assert shards[False][1] == 0 and shards[True][1] == bytes_
+    assert all(torch.equal(shards[False][0][k], shards[True][0][k]) for k in shards[False][0])

@@ -317,13 +317,18 @@ def _param_bytes(params) -> tuple[int, int]:
 
 
 def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequence[ShardCondition] | None = None,
-               pattern: str | None = None, allow_meta: bool = False) -> ShardReport:
+               pattern: str | None = None, allow_meta: bool = False, staging: Any = None,
+               threads: int = 1) -> ShardReport:
     """Shard ``model`` in place with FSDP2 over ``mesh``: each chosen block bottom-up, then the root.
 
     Run after LoRA fusion and post-load processing (FSDP2 wants plain, contiguous, materialized tensors).
     ``allow_meta``: accept a skeleton on ``meta`` (the rank-local load: shard first, then ``to_empty`` allocates
-    only the local shards and each rank reads its own rows; see ``strategies.rank_local``).
+    only the local shards and each rank reads its own rows; see ``strategies.rank_local``). ``staging``
+    (``reader.DeviceStaging``): a host-resident block crosses to the mesh's accelerator through it just before
+    FSDP2 shards it (FSDP2's own move is a pageable copy), one block at a time as FSDP2 would.
     """
+    from vllm_diffusion_plugin.engine.reader import place_module
+
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
@@ -355,7 +360,11 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
     for name in sorted(selection.names, key=order.__getitem__, reverse=True):
         block = modules[name]
         own_ignored = set(ignored).intersection(block.parameters())
+        if staging is not None:
+            place_module(block, device, staging, threads=threads)
         fully_shard(block, **kwargs, ignored_params=own_ignored or None)
+    if staging is not None:
+        place_module(model, device, staging, threads=threads)
     fully_shard(model, **kwargs, ignored_params=set(ignored) or None)
 
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -233,6 +233,7 @@ class _LoadStep:
              shard_reports: dict[str, object]) -> nn.Module:
         from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
         from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
+        from vllm_diffusion_plugin.engine.reader import place_module
         from vllm_diffusion_plugin.engine.strategies import LOADERS
 
         context = self.context
@@ -258,37 +259,19 @@ class _LoadStep:
         with report.phase("shard"):
             shard = out.shard
             if sharded and shard is None:
-                shard = apply_hsdp(module, mesh=mesh, config=context.hsdp, pattern=context.options.hsdp_block_pattern)
+                shard = apply_hsdp(module, mesh=mesh, config=context.hsdp, pattern=context.options.hsdp_block_pattern,
+                                   staging=context.staging, threads=context.options.threads)
             if shard is not None:
                 shard_reports[source.name] = shard
                 entry.param_bytes_local = shard.local_bytes
                 entry.sharded_blocks, entry.shard_rule = len(shard.blocks), shard.source
             else:
-                place(module, context.device, context.staging, threads=context.options.threads)
+                place_module(module, context.device, context.staging, threads=context.options.threads)
                 entry.param_bytes_local = entry.param_bytes_total
         logger.info("%s (loaded %s %s from %s on %s%s)", report_line(report, entry), source.name, entry.class_name,
                     source.folder, context.device,
                     f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
         return module
-
-
-def place(module: nn.Module, device: torch.device, staging, *, threads: int = 1) -> None:
-    """``module.to(device)``, its host parameters and buffers copied through ``staging`` (a
-    ``reader.DeviceStaging``) when there is one; parameters stay the same objects."""
-    from vllm_diffusion_plugin.engine.reader import to_device
-
-    if staging is not None:
-        host = [(owner, name, tensor) for owner in module.modules()
-                for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
-                if tensor is not None and tensor.device.type == "cpu"]
-        moved = to_device((t.detach() for _, _, t in host), device, staging, threads=threads)
-        with torch.no_grad():
-            for (owner, name, tensor), new in zip(host, moved):
-                if isinstance(tensor, nn.Parameter):
-                    tensor.data = new
-                else:
-                    owner._buffers[name] = new
-    module.to(device)
 
 
 def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None) -> list[Path]:

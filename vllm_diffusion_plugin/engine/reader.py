@@ -248,3 +248,24 @@ def to_device(tensors: Iterable[torch.Tensor], device: torch.device, staging: De
     staging.copy_all((StagedCopy(dst, src.dtype, tensor_bytes(src)) for dst, src in zip(out, sources)),
                      threads=threads)
     return out
+
+
+def place_module(module: torch.nn.Module, device: torch.device, staging: DeviceStaging | None, *,
+                 threads: int = 1) -> None:
+    """``module.to(device)``; with ``staging``, its host parameters and buffers are copied through it instead
+    (parameters stay the same objects; tensors elsewhere, e.g. on ``meta``, are left where they are)."""
+    if staging is None:
+        module.to(device)
+        return
+    host = [(owner, name, tensor) for owner in module.modules()
+            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]
+            if tensor is not None and tensor.device.type == "cpu"]
+    moved = to_device((t.detach() for _, _, t in host), device, staging, threads=threads)
+    with torch.no_grad():
+        for (owner, name, tensor), new in zip(host, moved):
+            if not isinstance(tensor, torch.nn.Parameter):
+                owner._buffers[name] = new
+            elif torch._has_compatible_shallow_copy_type(tensor, new):
+                tensor.data = new
+            else:  # as nn.Module._apply does where ``.data =`` cannot change the tensor type (a Python backend)
+                torch.utils.swap_tensors(tensor, torch.nn.Parameter(new, requires_grad=tensor.requires_grad))
