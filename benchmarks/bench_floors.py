@@ -6,6 +6,9 @@ does not overlap. On one host, in one run:
 - host->device copies of ``--copy-mb`` from pageable memory, from pinned memory on one stream and split over four
   streams; device->host into pinned and pageable memory;
 - the device's own copy bandwidth (bytes read + written per second, what LoRA fusion on the device is held to);
+- where an fp32 checkpoint's cast to bf16 is cheapest: fp32 pinned -> device then cast there (what the staging ring
+  does: twice the bytes over the link, a device-speed cast), against a cast on the host (all cores) then bf16
+  pinned -> device (half the bytes, a host-speed cast), both in GB of fp32 source per second;
 - page-cache reads of a warm ``--size-gb`` file with ``os.preadv`` in 64 MiB jobs into pinned memory (plain memory
   on a CPU host) with 1, 4, 8 and 16 threads;
 - the file through ``reader.DeviceStaging`` (our ring: read threads into pinned buffers, copies on a copy stream)
@@ -70,8 +73,24 @@ def copy_rows(device: torch.device, nbytes: int) -> dict:
         for stream in streams:
             stream.synchronize()
 
+    fp32 = pinned[:nbytes // 4 * 4].view(torch.float32)
+    fp32.fill_(0.5)
+    bf16_host = platform.pinned_empty(fp32.numel() * 2, device).view(torch.bfloat16)
+    on_device_fp32 = on_device[:fp32.numel() * 4].view(torch.float32)
+    on_device_bf16 = other[:fp32.numel() * 2].view(torch.bfloat16)
+
+    def cast_on_device() -> None:
+        on_device_fp32.copy_(fp32, non_blocking=True)
+        on_device_bf16.copy_(on_device_fp32)
+
+    def cast_on_host() -> None:
+        bf16_host.copy_(fp32)
+        on_device_bf16.copy_(bf16_host, non_blocking=True)
+
     gb = nbytes / 1e9
     return {
+        "fp32_to_bf16_cast_on_device_gb_s": gb / best_seconds(cast_on_device, sync),
+        "fp32_to_bf16_cast_on_host_gb_s": gb / best_seconds(cast_on_host, sync),
         "h2d_pageable_gb_s": gb / best_seconds(lambda: on_device.copy_(pageable), sync),
         "h2d_pinned_gb_s": gb / best_seconds(lambda: on_device.copy_(pinned, non_blocking=True), sync),
         "h2d_pinned_4_streams_gb_s": gb / best_seconds(four_streams, sync),
