@@ -154,6 +154,28 @@ def test_weights_already_on_the_device_are_fused_there_in_place(fake_accelerator
     assert_matches(model, ref, rtol=1e-6, atol=1e-5)
 
 
+def test_weights_and_factors_on_the_device_take_one_kernel_per_weight(fake_accelerator, monkeypatch):
+    """The common case on a device (the staging ring put the weights there, the factors are there): one in-place
+    ``addmm_`` per weight, no row slices or copies around it; the numbers of ``W.addmm_(B, A, alpha=s)``."""
+    host = Blocks(dtype=torch.bfloat16)
+    model = Blocks(dtype=torch.bfloat16).to(fake_accelerator.device)
+    host_deltas = make_deltas(host, dtype=torch.bfloat16)
+    deltas = {name: LoraDelta(d.A.to(fake_accelerator.device), d.B.to(fake_accelerator.device), d.scale)
+              for name, d in host_deltas.items()}
+    def row_chunks(*args, **kwargs):
+        raise AssertionError("the common case went through the row-chunk loop")
+
+    monkeypatch.setattr(weight_mod, "_fuse_on_device", row_chunks)
+    fake_accelerator.reset_counters()
+    fuse_lora(model, deltas)
+    assert fake_accelerator.op_counts["aten::addmm_"] + fake_accelerator.op_counts["aten::addmm"] == len(deltas)
+    assert fake_accelerator.h2d_bytes == 0
+    with torch.no_grad():
+        for name, d in host_deltas.items():
+            host.get_submodule(name).weight.addmm_(d.B, d.A, alpha=d.scale)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), host.parameters()))
+
+
 def test_weight_rows_are_staged_in_chunks_of_at_most_chunk_mb(fake_accelerator):
     model = nn.Linear(1024, 1024, bias=False)  # 4 MiB fp32 -> four 1 MiB chunks
     deltas = {"": LoraDelta(torch.randn(8, 1024) * 0.1, torch.randn(1024, 8) * 0.1, 0.5)}

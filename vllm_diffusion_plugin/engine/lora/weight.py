@@ -242,6 +242,12 @@ def fuse_weight_(
     same_dtype = delta.A.dtype == delta.B.dtype == weight.dtype
     if compute_device is not None and compute_device.type != "cpu":
         in_place = same_dtype and bounded and not check_finite
+        if (in_place and row_start == 0 and chunk_rows >= rows and weight.device == compute_device
+                and delta.A.device == delta.B.device == compute_device):
+            # the common case on a device (weight and factors there, one chunk): one kernel, each weight byte read
+            # and written once, and no Python around it -- per-target overhead, not the kernel, bounds this path
+            weight.addmm_(delta.B, delta.A, alpha=alpha)
+            return "device"
         return _fuse_on_device(weight, _ab_update(delta, alpha), compute_device, chunk_rows, name, row_start,
                                workspace or Workspace(), in_place=in_place, check=not in_place)
     workspace = workspace or Workspace()
