@@ -238,3 +238,18 @@ def test_full_sharded_blocks_cross_through_the_ring_before_fsdp_shards_them(fake
     bytes_ = sum(p.numel() * p.element_size() for p in model().parameters())
     assert shards[False][1] == 0 and shards[True][1] == bytes_
     assert all(torch.equal(shards[False][0][k], shards[True][0][k]) for k in shards[False][0])
+
+
+def test_broadcast_buckets_on_an_accelerator_are_packed_through_the_ring(fake_accelerator):
+    """``broadcast``'s rank 0 packs each bucket from its host module into the (device) bucket buffer: through the
+    ring, the same bytes as the pageable copies."""
+    from vllm_diffusion_plugin.engine.strategies.broadcast import Bucket, Segment, pack_bucket
+
+    targets = {"a": sources(MIB)[0], "b": sources(3 * MIB + 5)[0]}
+    bucket = Bucket(torch.bfloat16, MIB + 2 * MIB, (Segment("a", 0, MIB, 0), Segment("b", MIB, 2 * MIB, MIB)), 1)
+    plain = torch.empty(bucket.numel, dtype=torch.bfloat16, device=fake_accelerator.device)
+    pack_bucket(plain, bucket, targets)
+    fake_accelerator.reset_counters()
+    staged = torch.empty_like(plain)
+    pack_bucket(staged, bucket, targets, reader.DeviceStaging(fake_accelerator.device, max_bytes=2 * MIB, slots=2))
+    assert torch.equal(plain.cpu(), staged.cpu()) and fake_accelerator.h2d_async_bytes == bucket.nbytes

@@ -216,6 +216,22 @@ class BroadcastChannel:
             raise DistributedLoadError(f"{label}: {int(done.item())} of {self.world_size} ranks confirmed")
 
 
+def pack_bucket(data: torch.Tensor, bucket: Bucket, targets: dict[str, torch.Tensor], staging=None, *,
+                threads: int = 1) -> None:
+    """Copy ``bucket``'s segments of the host module's tensors into the bucket buffer ``data``; a buffer on an
+    accelerator is filled through ``staging`` (``reader.DeviceStaging``) when there is one, not by pageable copies."""
+    from vllm_diffusion_plugin.engine.reader import StagedCopy, tensor_bytes
+
+    pairs = [(data[s.offset:s.offset + s.length], _flat(targets[s.key], s.key)[s.start:s.start + s.length])
+             for s in bucket.segments]
+    with torch.no_grad():
+        if staging is not None and data.device.type == staging.device.type:
+            staging.copy_all((StagedCopy(dst, src.dtype, tensor_bytes(src)) for dst, src in pairs), threads=threads)
+            return
+        for dst, src in pairs:
+            dst.copy_(src)
+
+
 def _flat(tensor: torch.Tensor, key: str) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise DistributedLoadError(f"{key}: module tensor {tuple(tensor.shape)} stride {tensor.stride()} is not "
@@ -241,11 +257,11 @@ class _Sender:
     """Rank 0: the weight stream ``load_into_module`` consumes; between tensors it fuses and broadcasts."""
 
     def __init__(self, *, what, channel, source, keys, plan, digest, targets, module, files, chunk_mb,
-                 check_finite, progress, threads, host_weights="auto") -> None:
+                 check_finite, progress, threads, host_weights="auto", staging=None) -> None:
         self.what, self.channel, self.source, self.keys, self.plan = what, channel, source, keys, plan
         self.digest, self.targets, self.module, self.files = digest, targets, module, files
         self.chunk_mb, self.check_finite, self.progress, self.threads = chunk_mb, check_finite, progress, threads
-        self.host_weights = host_weights
+        self.host_weights, self.staging = host_weights, staging
         self.parts = _lora_parts(module, files)
         self.pending: dict[tuple[int, str], set[str]] = {}
         self.handshaken = False
@@ -281,12 +297,7 @@ class _Sender:
                                        f"buckets")
 
     def _packer(self, bucket: Bucket) -> Callable[[torch.Tensor], None]:
-        def pack(data: torch.Tensor) -> None:
-            with torch.no_grad():
-                for s in bucket.segments:
-                    source = _flat(self.targets[s.key], s.key)[s.start:s.start + s.length]
-                    data[s.offset:s.offset + s.length].copy_(source)
-        return pack
+        return lambda data: pack_bucket(data, bucket, self.targets, self.staging, threads=self.threads)
 
     def _fuse_pending(self) -> None:
         from vllm_diffusion_plugin.engine.lora import fuse_lora
@@ -372,7 +383,7 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
         sender = _Sender(what=what, channel=channel, source=source, keys=keys, plan=plan, digest=digest,
                          targets=targets, module=module, files=files, chunk_mb=options.lora_device_chunk_mb,
                          check_finite=options.lora_check_finite, progress=progress,
-                         threads=options.threads, host_weights=options.lora_host_weights)
+                         threads=options.threads, host_weights=options.lora_host_weights, staging=context.staging)
         started = time.perf_counter()
         result = load_into_module(module, weights=sender.stream(), source=source,
                                   strict_unexpected=options.strict_unexpected, progress=progress)
