@@ -253,3 +253,28 @@ def test_broadcast_buckets_on_an_accelerator_are_packed_through_the_ring(fake_ac
     staged = torch.empty_like(plain)
     pack_bucket(staged, bucket, targets, reader.DeviceStaging(fake_accelerator.device, max_bytes=2 * MIB, slots=2))
     assert torch.equal(plain.cpu(), staged.cpu()) and fake_accelerator.h2d_async_bytes == bucket.nbytes
+
+
+def test_the_vllm_loader_fills_a_model_on_an_accelerator_through_the_ring(tiny_wan_dir, fake_accelerator):
+    """vLLM's ``--load-format diffusion-hsdp`` loader (the real class, vLLM's ``LoadConfig``) on a model whose
+    parameters are on the (fake) accelerator: every byte through the ring, the weights of a host load."""
+    from types import SimpleNamespace
+
+    from vllm.config.load import LoadConfig
+
+    from vllm_diffusion_plugin.doors.vllm_loader import DiffusionHSDPLoader
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+
+    folder = tiny_wan_dir / "transformer"
+    (source,) = resolve_checkpoint(folder)
+    loader = DiffusionHSDPLoader(LoadConfig(load_format="diffusion-hsdp",
+                                            model_loader_extra_config={"pinned_staging_mb": 1}))
+    config = SimpleNamespace(model=str(folder), revision=None)
+    on_host = build_component(source, dtype=torch.float32, device="cpu")
+    loader.load_weights(on_host, config)
+    model = build_component(source, dtype=torch.float32, device=fake_accelerator.device)
+    fake_accelerator.reset_counters()
+    loader.load_weights(model, config)
+    assert fake_accelerator.h2d_async_bytes == source.total_bytes  # fp32 into fp32: every checkpoint byte
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(model.state_dict().values(), on_host.state_dict().values()))
