@@ -46,6 +46,9 @@ def add_plan_parser(sub, *, shared, formatter) -> None:
                                                             "default: this machine's total RAM")
     plan.add_argument("--device-memory", metavar="SIZE", help="memory per accelerator; default: the probed "
                                                               "accelerator's (none on the CPU)")
+    plan.add_argument("--per-rank", action="store_true",
+                      help="one row per strategy and rank, then one per component (default: one line per strategy, "
+                           "the largest figures over its ranks)")
 
 
 def run_plan(args: argparse.Namespace, *, options) -> str:
@@ -58,7 +61,9 @@ def run_plan(args: argparse.Namespace, *, options) -> str:
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    world_size = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.nproc
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun else world_size
     hsdp = HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size)
     hsdp.resolved(world_size)
     device = resolve_target_device(args.device)
@@ -67,36 +72,72 @@ def run_plan(args: argparse.Namespace, *, options) -> str:
     plan = plan_load(args.checkpoint, options=options, components=args.components,
                      lora_specs=[LoraSpec.parse(t, default_scale=args.lora_scale) for t in args.lora],
                      world_size=world_size, hsdp=hsdp, dtype=getattr(torch, args.dtype), device_type=device.type,
-                     host_memory=host, device_memory=dev if device.type != "cpu" else None)
+                     host_memory=host, device_memory=dev if device.type != "cpu" else None,
+                     local_world_size=local_world_size)
     data = plan.to_dict()
     data["requested"] = options.hsdp_weight_load
-    return json.dumps(data, indent=2) if args.json else format_plan(plan, requested=options.hsdp_weight_load)
+    if args.json:
+        return json.dumps(data, indent=2)
+    if getattr(args, "per_rank", False):
+        return format_plan(plan, requested=options.hsdp_weight_load)
+    return format_summary(plan, requested=options.hsdp_weight_load)
 
 
-def _size(n: int | None) -> str:
+def size_text(n: int | None) -> str:
+    """Bytes as ``plan`` prints them: ``12.34 GiB`` from 1 GiB on, else ``512MB`` / ``120KB``; ``-`` for None."""
     return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{human_count(n)}B"
 
 
-def format_plan(plan, *, requested: str) -> str:
-    """The plan as a table: one row per strategy and rank, then one per component; fit and pick last."""
+
+def _header(plan) -> str:
     layout = f"HSDP {plan.layout[0]}x{plan.layout[1]}" if plan.layout else "1 process"
-    lines = [f"plan for {plan.checkpoint}: {plan.world_size} rank(s), {layout}, {plan.dtype} on {plan.device_type}"
-             f" (reads no weight byte; the CLI load, diffusers DiTs)",
+    return (f"plan for {plan.checkpoint}: {plan.world_size} rank(s), {layout}, {plan.dtype} on {plan.device_type}"
+            f" (reads no weight byte; the CLI load, diffusers DiTs)")
+
+
+def _verdict(plan, *, requested: str) -> list[str]:
+    """The lines ``plan`` ends with (both layouts): what fits under which limits, and the pick."""
+    lines = [f"{strategy}: unavailable: {why}" for strategy, why in plan.unavailable.items()]
+    fits = {s: plan.fits(s) for s in ("full", "broadcast", "rank_local") if s not in plan.unavailable}
+    per_node = plan.local_world_size or plan.world_size
+    shared = f" shared by {per_node} ranks" if per_node > 1 else ""
+    limits = f"host {size_text(plan.host_memory)}{shared}, device {size_text(plan.device_memory)}"
+    lines.append(f"fits ({limits}): " + ", ".join(f"{s} {'yes' if ok else 'no'}" for s, ok in fits.items()))
+    pick = plan.pick()
+    lines.append(f"pick: {pick or 'none fits'} (requested: {requested})")
+    return lines
+
+
+def format_summary(plan, *, requested: str) -> str:
+    """The plan in a few lines whatever the rank count: per strategy its worst rank's figures (each the largest
+    over its ranks), what one node's ranks need of its host together and whether it fits; the verdict last."""
+    lines = [_header(plan),
+             f"{'strategy':<12}{'read':>12}{'held':>12}{'host peak':>12}{'device peak':>13}{'first run':>12}"
+             f"{'node host':>12}  fits   (per rank: the largest over ranks; --per-rank: every rank)"]
+    for strategy in ("full", "broadcast", "rank_local"):
+        row = plan.summary(strategy)
+        if row is None:
+            continue
+        name = strategy if row["runs"] == strategy else f"{strategy}>{row['runs']}"
+        fits = {True: "yes", False: "no", None: "-"}[row["fits"]]
+        lines.append(f"{name:<12}{size_text(row['bytes_read']):>12}{size_text(row['held']):>12}"
+                     f"{size_text(row['host_peak']):>12}{size_text(row['device_peak']):>13}{size_text(row['first_run_peak']):>12}"
+                     f"{size_text(row['node_host_need']):>12}  {fits}")
+    return "\n".join(lines + _verdict(plan, requested=requested))
+
+
+def format_plan(plan, *, requested: str) -> str:
+    """The plan as a table (``--per-rank``): one row per strategy and rank, then one per component; fit and pick
+    last."""
+    lines = [_header(plan),
              f"{'strategy':<12}{'rank':>5}{'read':>12}{'held':>12}{'host peak':>12}{'device peak':>13}"
              f"{'first run':>12}  largest transient"]
     for r in plan.ranks:
         runs = r.strategy if r.runs == r.strategy else f"{r.strategy}>{r.runs}"
         top = max(r.components, key=lambda c: c.transient_bytes)
-        lines.append(f"{runs:<12}{r.rank:>5}{_size(r.bytes_read):>12}{_size(sum(c.held for c in r.components)):>12}"
-                     f"{_size(r.host_peak):>12}{_size(r.device_peak):>13}{_size(r.first_run_peak):>12}  "
-                     f"{top.transient} {_size(top.transient_bytes)}")
+        lines.append(f"{runs:<12}{r.rank:>5}{size_text(r.bytes_read):>12}{size_text(sum(c.held for c in r.components)):>12}"
+                     f"{size_text(r.host_peak):>12}{size_text(r.device_peak):>13}{size_text(r.first_run_peak):>12}  "
+                     f"{top.transient} {size_text(top.transient_bytes)}")
         for c in r.components:
-            lines.append(f"{'  ' + c.name:<17}{_size(c.bytes_read):>12}{_size(c.held):>12}{_size(c.peak):>12}")
-    for strategy, why in plan.unavailable.items():
-        lines.append(f"{strategy}: unavailable: {why}")
-    fits = {s: plan.fits(s) for s in ("full", "broadcast", "rank_local") if s not in plan.unavailable}
-    limits = f"host {_size(plan.host_memory)}, device {_size(plan.device_memory)}"
-    lines.append(f"fits ({limits}): " + ", ".join(f"{s} {'yes' if ok else 'no'}" for s, ok in fits.items()))
-    pick = plan.pick()
-    lines.append(f"pick: {pick or 'none fits'} (requested: {requested})")
-    return "\n".join(lines)
+            lines.append(f"{'  ' + c.name:<17}{size_text(c.bytes_read):>12}{size_text(c.held):>12}{size_text(c.peak):>12}")
+    return "\n".join(lines + _verdict(plan, requested=requested))

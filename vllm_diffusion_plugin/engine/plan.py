@@ -84,24 +84,41 @@ class Plan:
     unavailable: dict[str, str] = field(default_factory=dict)
     """Strategy -> why it cannot serve this load (``check_strategy``'s message)."""
     host_memory: int | None = None
+    """Host memory of one node, shared by its ranks (their host peaks add up)."""
     device_memory: int | None = None
+    """Memory of one accelerator (one per rank)."""
+    local_world_size: int | None = None
+    """Ranks per node (consecutive ranks share a node's host memory); None: every rank on one node."""
+
+    def host_need(self, r: RankPlan) -> int:
+        """What ``r`` needs of the host: its host peak, or on the CPU its first run's peak when larger."""
+        return max(r.host_peak, r.first_run_peak if self.device_type == "cpu" else 0)
+
+    def device_need(self, r: RankPlan) -> int | None:
+        """What ``r`` needs of its accelerator: its device peak or its first run's peak (None on the CPU)."""
+        return None if r.device_peak is None else max(r.device_peak, r.first_run_peak)
+
+    def node_host_need(self, strategy: str) -> tuple[int, tuple[int, ...]]:
+        """The most one node's ranks need of its host under ``strategy`` together, and those ranks."""
+        per_node = self.local_world_size or self.world_size
+        nodes: dict[int, list[RankPlan]] = {}
+        for r in self.ranks:
+            if r.strategy == strategy:
+                nodes.setdefault(r.rank // per_node, []).append(r)
+        worst = max(nodes.values(), key=lambda rows: sum(map(self.host_need, rows)), default=[])
+        return sum(map(self.host_need, worst)), tuple(r.rank for r in worst)
 
     def fits(self, strategy: str) -> bool | None:
-        """Whether every rank's peaks under ``strategy`` fit the given memory (None: no limit given)."""
+        """Whether ``strategy`` fits the given memory: each node's ranks' host needs together within
+        ``host_memory``, each rank's device need within ``device_memory`` (None: no limit given)."""
         if strategy in self.unavailable:
             return False
         if self.host_memory is None and self.device_memory is None:
             return None
-        for r in self.ranks:
-            if r.strategy != strategy:
-                continue
-            if self.host_memory is not None and max(r.host_peak, r.first_run_peak if self.device_type == "cpu"
-                                                    else 0) > self.host_memory:
-                return False
-            if self.device_memory is not None and r.device_peak is not None and max(
-                    r.device_peak, r.first_run_peak) > self.device_memory:
-                return False
-        return True
+        if self.host_memory is not None and self.node_host_need(strategy)[0] > self.host_memory:
+            return False
+        needs = [self.device_need(r) for r in self.ranks if r.strategy == strategy]
+        return self.device_memory is None or all(n is None or n <= self.device_memory for n in needs)
 
     def pick(self) -> str | None:
         """The fitting strategy with the smallest host peak on any rank, then the fewest bytes read per rank."""
@@ -112,10 +129,26 @@ class Plan:
         usable = [s for s in STRATEGY_ORDER if s not in self.unavailable and self.fits(s) is not False]
         return min(usable, key=cost) if usable else None
 
+    def summary(self, strategy: str) -> dict[str, Any] | None:
+        """``strategy`` on its worst rank, figure by figure (each the largest over its ranks), with the node's
+        host need and whether it fits; None when the strategy cannot serve this load."""
+        rows = [r for r in self.ranks if r.strategy == strategy]
+        if not rows:
+            return None
+        devices = [r.device_peak for r in rows if r.device_peak is not None]
+        node, node_ranks = self.node_host_need(strategy)
+        return {"runs": rows[0].runs, "bytes_read": max(r.bytes_read for r in rows),
+                "held": max(sum(c.held for c in r.components) for r in rows),
+                "host_peak": max(r.host_peak for r in rows), "device_peak": max(devices) if devices else None,
+                "first_run_peak": max(r.first_run_peak for r in rows),
+                "worst_rank": max(rows, key=lambda r: (self.host_need(r), self.device_need(r) or 0)).rank,
+                "node_host_need": node, "node_ranks": list(node_ranks), "fits": self.fits(strategy)}
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["fits"] = {s: self.fits(s) for s in STRATEGY_ORDER}
         data["pick"] = self.pick()
+        data["summary"] = {s: self.summary(s) for s in STRATEGY_ORDER if s not in self.unavailable}
         return data
 
 
@@ -278,9 +311,11 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
 
 def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
               world_size: int = 1, hsdp=None, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu",
-              host_memory: int | None = None, device_memory: int | None = None) -> Plan:
+              host_memory: int | None = None, device_memory: int | None = None,
+              local_world_size: int | None = None) -> Plan:
     """Plan a load of ``checkpoint`` over ``world_size`` ranks (``hsdp``: an ``HSDPConfig`` when > 1) for every
-    strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons)."""
+    strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons);
+    ``local_world_size``: ranks per node (None: all on one)."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.engine.pipeline import assign_loras
     from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
@@ -318,4 +353,4 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
             ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
                                   host_peak, device_peak if on_device else None, held_before + gather))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
-                unavailable, host_memory, device_memory)
+                unavailable, host_memory, device_memory, local_world_size)
