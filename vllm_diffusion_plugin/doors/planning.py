@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from vllm_diffusion_plugin.engine.report import human_count
+from vllm_diffusion_plugin.engine.preflight import size_text
 
 
 def host_memory_total() -> int:
@@ -83,11 +83,6 @@ def run_plan(args: argparse.Namespace, *, options) -> str:
     return format_summary(plan, requested=options.hsdp_weight_load)
 
 
-def size_text(n: int | None) -> str:
-    """Bytes as ``plan`` prints them: ``12.34 GiB`` from 1 GiB on, else ``512MB`` / ``120KB``; ``-`` for None."""
-    return "-" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{human_count(n)}B"
-
-
 
 def _header(plan) -> str:
     layout = f"HSDP {plan.layout[0]}x{plan.layout[1]}" if plan.layout else "1 process"
@@ -141,3 +136,56 @@ def format_plan(plan, *, requested: str) -> str:
         for c in r.components:
             lines.append(f"{'  ' + c.name:<17}{size_text(c.bytes_read):>12}{size_text(c.held):>12}{size_text(c.peak):>12}")
     return "\n".join(lines + _verdict(plan, requested=requested))
+
+
+PREFLIGHT_HOW = "--preflight warn (or VLLM_DIFFUSION_PREFLIGHT=warn)"
+"""How a ``load`` user turns the pre-flight's refusal into a warning (named in the refusal)."""
+
+
+def preflight_host(args: argparse.Namespace, *, options, world_size: int, under_torchrun: bool):
+    """``load``'s pre-flight for the host (``engine.preflight``), in the launching process before any rank starts:
+    the plan of this load against what this node has left, its ranks' host needs together plus, for ranks still to
+    be spawned, what each takes before its load (this process's private RSS now: the same imports). Returns the plan for
+    the ranks' device check (None with ``preflight`` off)."""
+    if options.preflight == "off":
+        return None
+    import time
+
+    import torch
+
+    from vllm_diffusion_plugin.engine import platform, preflight
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    started = time.perf_counter()
+    device_type = args.device if args.device != "auto" else platform.accelerator_type() or "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun else world_size
+    plan = plan_load(args.checkpoint, options=options, components=args.components,
+                     lora_specs=[LoraSpec.parse(t, default_scale=args.lora_scale) for t in args.lora],
+                     world_size=world_size, dtype=getattr(torch, args.dtype), device_type=device_type,
+                     hsdp=HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size),
+                     local_world_size=local)
+    spawned = not under_torchrun and world_size > 1
+    starting = world_size * preflight.private_rss() if spawned else 0
+    host = preflight.host_available()
+    strategy = options.hsdp_weight_load
+    preflight.enforce([preflight.check_host(plan, strategy, host=host, starting=starting, first_run=False)],
+                      mode=options.preflight, how=PREFLIGHT_HOW)
+    need, ranks = plan.node_host_need(strategy, first_run=False)
+    preflight.logger.info("pre-flight: hsdp_weight_load=%r on %d rank(s) of this node: host peak %s of %s available "
+                          "(%s; %.2f s)", strategy, len(ranks), preflight.size_text(need + starting),
+                          preflight.size_text(host.available if host else None), host.source if host else "-",
+                          time.perf_counter() - started)
+    return plan
+
+
+def preflight_device(plan, *, options, device, rank: int) -> None:
+    """``load``'s pre-flight for this rank's accelerator, before its first weight byte (a no-op on the CPU, with
+    ``preflight`` off, or where the rank fell back to another device than the one planned)."""
+    if plan is None or device.type != plan.device_type:
+        return
+    from vllm_diffusion_plugin.engine import platform, preflight
+
+    problem = preflight.check_device(plan, options.hsdp_weight_load, rank=rank, free=platform.free_memory(device))
+    preflight.enforce([problem], mode=options.preflight, how=PREFLIGHT_HOW)

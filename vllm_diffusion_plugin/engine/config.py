@@ -56,6 +56,9 @@ class LoadOptions:
     """Accept .bin/.pt checkpoints (``torch.load(weights_only=True)``) when no safetensors exist."""
     strict_unexpected: bool = False
     """Checkpoint keys that match no parameter are an error (else a warning listing them)."""
+    preflight: str = "refuse"
+    """Before the first weight byte, each rank's planned peak against its host (shared by the node's ranks) and
+    accelerator memory (``engine.preflight``): ``refuse`` a load that cannot fit, ``warn`` and load, or ``off``."""
 
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys another vLLM component put into the extra config for its own use (e.g. ``is_draft``)."""
@@ -108,12 +111,17 @@ class LoadOptions:
             raise ValueError(f"hsdp_broadcast_bucket_mb must be positive, got {self.hsdp_broadcast_bucket_mb}")
         if self.read_threads is not None and self.read_threads < 1:
             raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+        if self.preflight not in PREFLIGHT_MODES:
+            raise ValueError(f"preflight must be one of {', '.join(PREFLIGHT_MODES)}, got {self.preflight!r}")
         if not self.hsdp_broadcast_timeout_s > 0:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
 
 WEIGHT_LOAD_STRATEGIES = ("full", "broadcast", "rank_local")
 """Values of ``hsdp_weight_load`` (``strategies.STRATEGIES``; kept here so this module stays light)."""
+
+PREFLIGHT_MODES = ("refuse", "warn", "off")
+"""Values of ``preflight`` (``engine.preflight.MODES``)."""
 
 _VLLM_OWNED_KEYS = ("is_draft",)
 """Keys vLLM itself adds to a loader's extra config; accepted and passed through untouched."""

@@ -69,6 +69,11 @@ class RankPlan:
     """None when the load runs on the CPU (no accelerator)."""
     first_run_peak: int
     """Held bytes plus the first run's largest FSDP block all-gather (host or accelerator)."""
+    host_private_peak: int = 0
+    """``host_peak`` less the clean checkpoint pages it maps (``full`` views its files copy-on-write): what the
+    kernel cannot drop under a memory limit, and what ranks on one node do not share (they share file pages)."""
+    first_run_private_peak: int = 0
+    """``first_run_peak`` likewise (on the CPU: the held bytes not mapped from files plus the all-gather)."""
 
 
 @dataclass(frozen=True)
@@ -90,43 +95,49 @@ class Plan:
     local_world_size: int | None = None
     """Ranks per node (consecutive ranks share a node's host memory); None: every rank on one node."""
 
-    def host_need(self, r: RankPlan) -> int:
-        """What ``r`` needs of the host: its host peak, or on the CPU its first run's peak when larger."""
-        return max(r.host_peak, r.first_run_peak if self.device_type == "cpu" else 0)
+    def host_need(self, r: RankPlan, *, first_run: bool = True) -> int:
+        """What ``r`` needs of the host that the kernel cannot reclaim: its private host peak, or on the CPU its
+        first run's when larger (``first_run=False``: the load alone, as the CLI's, which runs nothing). The clean
+        file pages a load maps are left out: under pressure the kernel drops them (and reads them again), and the
+        ranks of a node share them."""
+        return max(r.host_private_peak, r.first_run_private_peak if self.device_type == "cpu" and first_run else 0)
 
     def device_need(self, r: RankPlan) -> int | None:
         """What ``r`` needs of its accelerator: its device peak or its first run's peak (None on the CPU)."""
         return None if r.device_peak is None else max(r.device_peak, r.first_run_peak)
 
-    def node_host_need(self, strategy: str) -> tuple[int, tuple[int, ...]]:
+    def node_host_need(self, strategy: str, *, first_run: bool = True) -> tuple[int, tuple[int, ...]]:
         """The most one node's ranks need of its host under ``strategy`` together, and those ranks."""
         per_node = self.local_world_size or self.world_size
         nodes: dict[int, list[RankPlan]] = {}
         for r in self.ranks:
             if r.strategy == strategy:
                 nodes.setdefault(r.rank // per_node, []).append(r)
-        worst = max(nodes.values(), key=lambda rows: sum(map(self.host_need, rows)), default=[])
-        return sum(map(self.host_need, worst)), tuple(r.rank for r in worst)
+        need = lambda rows: sum(self.host_need(r, first_run=first_run) for r in rows)  # noqa: E731
+        worst = max(nodes.values(), key=need, default=[])
+        return need(worst), tuple(r.rank for r in worst)
 
-    def fits(self, strategy: str) -> bool | None:
+    def fits(self, strategy: str, *, first_run: bool = True) -> bool | None:
         """Whether ``strategy`` fits the given memory: each node's ranks' host needs together within
         ``host_memory``, each rank's device need within ``device_memory`` (None: no limit given)."""
         if strategy in self.unavailable:
             return False
         if self.host_memory is None and self.device_memory is None:
             return None
-        if self.host_memory is not None and self.node_host_need(strategy)[0] > self.host_memory:
+        if self.host_memory is not None and \
+                self.node_host_need(strategy, first_run=first_run)[0] > self.host_memory:
             return False
         needs = [self.device_need(r) for r in self.ranks if r.strategy == strategy]
         return self.device_memory is None or all(n is None or n <= self.device_memory for n in needs)
 
-    def pick(self) -> str | None:
+    def pick(self, *, first_run: bool = True) -> str | None:
         """The fitting strategy with the smallest host peak on any rank, then the fewest bytes read per rank."""
         def cost(strategy: str) -> tuple[int, int]:
             rows = [r for r in self.ranks if r.strategy == strategy]
             return (max(max(r.host_peak, r.device_peak or 0) for r in rows), max(r.bytes_read for r in rows))
 
-        usable = [s for s in STRATEGY_ORDER if s not in self.unavailable and self.fits(s) is not False]
+        usable = [s for s in STRATEGY_ORDER
+                  if s not in self.unavailable and self.fits(s, first_run=first_run) is not False]
         return min(usable, key=cost) if usable else None
 
     def summary(self, strategy: str) -> dict[str, Any] | None:
@@ -172,6 +183,8 @@ class _Shape:
     lora_file_bytes: int
     """The LoRA files as read (held beside the normalized factors while they are prepared)."""
     lora_largest: int
+    lora_targets: int
+    """Bytes (final dtypes) of the weights the LoRA fuses into: private copies where they viewed a mapping."""
     """Bytes of the largest ``B @ A`` delta (final dtype), bounded by the LoRA chunk."""
     largest_file: int
     """The largest checkpoint file's tensor bytes: what a reader's mapping of one file holds at most."""
@@ -221,7 +234,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
         for key in tensors:
             step = next((i for i, n in enumerate(steps) if key.startswith(f"{n}.")), len(steps))
             order[key] = (files[key], step)
-    lora_bytes = largest = 0
+    lora_bytes = largest = targets = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
     for lora in prepare_lora_files(module, lora_files, strict=options.lora_strict, component=source.name):
@@ -231,7 +244,9 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             weight = params.get(f"{name}.weight", params.get(name))
             if weight is not None:
                 largest = max(largest, weight.numel() * weight.element_size())
-    return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, largest_file)
+                targets += weight.numel() * weight.element_size()
+    return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, targets,
+                  largest_file)
 
 
 def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) -> int:
@@ -261,9 +276,21 @@ def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) ->
     return peak
 
 
+def _private_shard_peak(shape: _Shape, local_of: dict[str, int]) -> int:
+    """``_shard_peak`` of ``full`` in private memory: the local shards copied out, less each cast copy dropped at
+    its step (a tensor viewing its file's mapping frees file pages only)."""
+    above = peak = 0
+    for key in sorted(shape.order, key=lambda k: shape.order[k][1]):
+        ckpt, final, _, _ = shape.tensors[key]
+        above += local_of[key] - (final if ckpt != final else 0)
+        peak = max(peak, above)
+    return peak
+
+
 def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sharded: bool,
-                    options, on_device: bool) -> tuple[ComponentPlan, int, int]:
-    """(plan, host peak, device peak) of one component on ``rank``."""
+                    options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int]:
+    """(plan, host peak, device peak, private host peak, private host bytes held after it) of one component on
+    ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
@@ -294,19 +321,28 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     transient = max(transients, key=transients.get)
     copies_shards = sharded and not on_device  # FSDP2's local copies beside the whole component, on the host
     device = held + (chunk if fuses else 0)
+    held_private = 0 if on_device else held
     if rank_local:
-        host = (0 if on_device else local) + lora
+        host = private = (0 if on_device else local) + lora
     elif runs == "broadcast":  # the staging bucket while streaming (rank 0 also maps the file it reads and
         # fuses), then, the bucket released, the local shards copied out of the whole component
         host = whole + max(bucket + (shape.largest_file + lora if rank == 0 else 0),
                            _shard_peak(shape, local_of, maps_files=False) if copies_shards else 0)
+        private = whole + max(bucket + (lora if rank == 0 else 0),
+                              _shard_peak(shape, local_of, maps_files=False) if copies_shards else 0)
     else:  # full: the whole component, viewing its files' mappings where the dtypes match (a cast tensor is a copy,
         # its file pages stay mapped beside it), fused; then its local shards copied out of it
         cast = sum(c for c, f, _, _ in shape.tensors.values() if c != f)
         host = whole + cast + max(lora, _shard_peak(shape, local_of, maps_files=True) if copies_shards else 0)
+        # private: the cast copies and the fused weights (copy-on-write), not the clean mapped pages
+        mapped = sum(c for c, f, _, _ in shape.tensors.values() if c == f)
+        fused = min(shape.lora_targets, mapped) if fuses else 0
+        private = whole - mapped + fused + max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0)
+        if not sharded and not on_device:
+            held_private = whole - mapped + fused  # the module keeps viewing its files
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
                          transients[transient])
-    return plan, host, device
+    return plan, host, device, private, held_private
 
 
 def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
@@ -339,18 +375,23 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
             continue
         for rank in range(world_size):
             planned, host_peak, device_peak, held_before, gather = [], 0, 0, 0, 0
+            private_peak = private_before = 0
             for shape in shapes:
                 sharded = shape.is_dit and world_size > 1
-                cp, host, device = _component_plan(shape, runs=runs, rank=rank, shard_size=shard_size,
-                                                   sharded=sharded, options=options, on_device=on_device)
+                cp, host, device, private, held_private = _component_plan(
+                    shape, runs=runs, rank=rank, shard_size=shard_size, sharded=sharded, options=options,
+                    on_device=on_device)
                 planned.append(cp)
                 host_held = 0 if on_device else held_before
                 host_peak = max(host_peak, host_held + host)
+                private_peak = max(private_peak, private_before + private)
                 device_peak = max(device_peak, held_before + device)
                 held_before += cp.held
+                private_before += held_private
                 if shape.is_dit:
                     gather = max(gather, *shape.blocks, 0) if sharded else gather
             ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
-                                  host_peak, device_peak if on_device else None, held_before + gather))
+                                  host_peak, device_peak if on_device else None, held_before + gather,
+                                  private_peak, private_before + gather))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
                 unavailable, host_memory, device_memory, local_world_size)
