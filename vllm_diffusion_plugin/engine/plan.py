@@ -74,6 +74,9 @@ class RankPlan:
     kernel cannot drop under a memory limit, and what ranks on one node do not share (they share file pages)."""
     first_run_private_peak: int = 0
     """``first_run_peak`` likewise (on the CPU: the held bytes not mapped from files plus the all-gather)."""
+    held_mapped: int = 0
+    """Clean file pages the loaded modules keep viewing (an unsharded ``full`` component on the host): in use by
+    the model, so counted, but once per node (the ranks share them)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class Plan:
         for r in self.ranks:
             if r.strategy == strategy:
                 nodes.setdefault(r.rank // per_node, []).append(r)
-        need = lambda rows: sum(self.host_need(r, first_run=first_run) for r in rows)  # noqa: E731
+        need = lambda rows: sum(self.host_need(r, first_run=first_run) for r in rows) + \
+            max((r.held_mapped for r in rows), default=0)  # noqa: E731
         worst = max(nodes.values(), key=need, default=[])
         return need(worst), tuple(r.rank for r in worst)
 
@@ -288,9 +292,9 @@ def _private_shard_peak(shape: _Shape, local_of: dict[str, int]) -> int:
 
 
 def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sharded: bool,
-                    options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int]:
-    """(plan, host peak, device peak, private host peak, private host bytes held after it) of one component on
-    ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
+                    options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int, int]:
+    """(plan, host peak, device peak, private host peak, private host bytes held after it, file pages its module
+    keeps viewing) of one component on ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
@@ -321,7 +325,7 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     transient = max(transients, key=transients.get)
     copies_shards = sharded and not on_device  # FSDP2's local copies beside the whole component, on the host
     device = held + (chunk if fuses else 0)
-    held_private = 0 if on_device else held
+    held_private, held_mapped = (0 if on_device else held), 0
     if rank_local:
         host = private = (0 if on_device else local) + lora
     elif runs == "broadcast":  # the staging bucket while streaming (rank 0 also maps the file it reads and
@@ -338,11 +342,11 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
         mapped = sum(c for c, f, _, _ in shape.tensors.values() if c == f)
         fused = min(shape.lora_targets, mapped) if fuses else 0
         private = whole - mapped + fused + max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0)
-        if not sharded and not on_device:
-            held_private = whole - mapped + fused  # the module keeps viewing its files
+        if not sharded and not on_device:  # the module keeps viewing its files
+            held_private, held_mapped = whole - mapped + fused, mapped - fused
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
                          transients[transient])
-    return plan, host, device, private, held_private
+    return plan, host, device, private, held_private, held_mapped
 
 
 def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
@@ -375,10 +379,10 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
             continue
         for rank in range(world_size):
             planned, host_peak, device_peak, held_before, gather = [], 0, 0, 0, 0
-            private_peak = private_before = 0
+            private_peak = private_before = mapped_after = 0
             for shape in shapes:
                 sharded = shape.is_dit and world_size > 1
-                cp, host, device, private, held_private = _component_plan(
+                cp, host, device, private, held_private, held_mapped = _component_plan(
                     shape, runs=runs, rank=rank, shard_size=shard_size, sharded=sharded, options=options,
                     on_device=on_device)
                 planned.append(cp)
@@ -388,10 +392,11 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
                 device_peak = max(device_peak, held_before + device)
                 held_before += cp.held
                 private_before += held_private
+                mapped_after += held_mapped
                 if shape.is_dit:
                     gather = max(gather, *shape.blocks, 0) if sharded else gather
             ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
                                   host_peak, device_peak if on_device else None, held_before + gather,
-                                  private_peak, private_before + gather))
+                                  private_peak, private_before + gather, mapped_after))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
                 unavailable, host_memory, device_memory, local_world_size)
