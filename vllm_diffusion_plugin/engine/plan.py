@@ -97,12 +97,17 @@ class Plan:
     """Memory of one accelerator (one per rank)."""
     local_world_size: int | None = None
     """Ranks per node (consecutive ranks share a node's host memory); None: every rank on one node."""
+    views_files: bool = True
+    """``full`` views its files' pages as the CLI's load does; False: the door copies every tensor into a model
+    built elsewhere (vllm-omni), so the host needs are the host peaks, file pages and all."""
 
     def host_need(self, r: RankPlan, *, first_run: bool = True) -> int:
         """What ``r`` needs of the host that the kernel cannot reclaim: its private host peak, or on the CPU its
         first run's when larger (``first_run=False``: the load alone, as the CLI's, which runs nothing). The clean
         file pages a load maps are left out: under pressure the kernel drops them (and reads them again), and the
         ranks of a node share them."""
+        if not self.views_files:
+            return max(r.host_peak, r.first_run_peak if self.device_type == "cpu" and first_run else 0)
         return max(r.host_private_peak, r.first_run_private_peak if self.device_type == "cpu" and first_run else 0)
 
     def device_need(self, r: RankPlan) -> int | None:
@@ -117,7 +122,7 @@ class Plan:
             if r.strategy == strategy:
                 nodes.setdefault(r.rank // per_node, []).append(r)
         need = lambda rows: sum(self.host_need(r, first_run=first_run) for r in rows) + \
-            max((r.held_mapped for r in rows), default=0)  # noqa: E731
+            max((r.held_mapped for r in rows if self.views_files), default=0)  # noqa: E731
         worst = max(nodes.values(), key=need, default=[])
         return need(worst), tuple(r.rank for r in worst)
 
