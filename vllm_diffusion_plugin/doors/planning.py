@@ -36,6 +36,23 @@ def device_memory_total(device) -> int | None:
     return None
 
 
+def parse_size(text: str) -> int:
+    """Bytes from ``64GiB`` / ``80GB`` / ``512MiB`` / ``1e9`` / a plain integer; ValueError naming the text."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abgikmt")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value < 0:
+        raise ValueError(f"memory size {text!r}: expected a number with an optional unit "
+                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64GiB")
+    return int(value * units[unit])
+
+
 def add_plan_parser(sub, *, shared, formatter) -> None:
     """The ``plan`` subcommand on ``sub``: ``shared(parser)`` adds the options it shares with ``load``."""
     plan = sub.add_parser("plan", help="say from headers and meta skeletons what each rank of a load would read "
@@ -57,7 +74,7 @@ def run_plan(args: argparse.Namespace, *, options) -> str:
 
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, resolve_target_device
-    from vllm_diffusion_plugin.engine.plan import parse_size, plan_load
+    from vllm_diffusion_plugin.engine.plan import plan_load
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -165,7 +182,7 @@ def preflight_host(args: argparse.Namespace, *, options, world_size: int, under_
                      lora_specs=[LoraSpec.parse(t, default_scale=args.lora_scale) for t in args.lora],
                      world_size=world_size, dtype=getattr(torch, args.dtype), device_type=device_type,
                      hsdp=HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size),
-                     local_world_size=local)
+                     local_world_size=local, lora_headers_only=True)
     spawned = not under_torchrun and world_size > 1
     starting = world_size * preflight.private_rss() if spawned else 0
     host = preflight.host_available()

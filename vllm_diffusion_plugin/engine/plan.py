@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,25 +200,8 @@ class _Shape:
     """The largest checkpoint file's tensor bytes: what a reader's mapping of one file holds at most."""
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``64GiB`` / ``80GB`` / ``512MiB`` / ``1e9`` / a plain integer; ValueError naming the text."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("abgikmt")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value < 0:
-        raise ValueError(f"memory size {text!r}: expected a number with an optional unit "
-                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64GiB")
-    return int(value * units[unit])
-
-
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
-                     options) -> _Shape:
+                     options, lora_headers_only: bool = False) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
     from vllm_diffusion_plugin.engine.skeleton import build_component
@@ -246,6 +230,13 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
     lora_bytes = largest = targets = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
+    if lora_headers_only and all(str(path).endswith(".safetensors") for path, _ in lora_files):
+        # the factors as their headers list them; every 2-D weight a possible target (an upper bound)
+        from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+
+        lora_bytes = sum(t.nbytes for path, _ in lora_files for t in read_safetensors_header(Path(path)).values())
+        weights = [p.numel() * p.element_size() for p in params.values() if p.dim() == 2] if lora_files else []
+        largest, targets, lora_files = max(weights, default=0), sum(weights), ()
     for lora in prepare_lora_files(module, lora_files, strict=options.lora_strict, component=source.name):
         for name, delta in lora.deltas.items():
             parts = [delta.A, delta.B, delta.bias_delta, delta.full_delta]
@@ -357,10 +348,11 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
 def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
               world_size: int = 1, hsdp=None, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu",
               host_memory: int | None = None, device_memory: int | None = None,
-              local_world_size: int | None = None) -> Plan:
+              local_world_size: int | None = None, lora_headers_only: bool = False) -> Plan:
     """Plan a load of ``checkpoint`` over ``world_size`` ranks (``hsdp``: an ``HSDPConfig`` when > 1) for every
     strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons);
-    ``local_world_size``: ranks per node (None: all on one)."""
+    ``local_world_size``: ranks per node (None: all on one); ``lora_headers_only``: the LoRA figures from the
+    files' safetensors headers, not read and checked (the pre-flight: the ranks check them)."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.engine.pipeline import assign_loras
     from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
@@ -373,6 +365,7 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
         resolved = hsdp.resolved(world_size)
         shard_size, layout = resolved.shard_size, resolved.mesh_shape
     shapes = [_component_shape(s, is_dit=s.name in transformers, dtype=dtype, options=options,
+                               lora_headers_only=lora_headers_only,
                                lora_files=[(str(x.path), x.scale) for x in loras.get(s.name, [])]) for s in sources]
     on_device = device_type != "cpu"
     ranks, unavailable = [], {}

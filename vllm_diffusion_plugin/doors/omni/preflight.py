@@ -54,7 +54,8 @@ def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
         dtype = getattr(torch, dtype, torch.bfloat16)  # "auto": the DiTs' usual bf16
     plan = plan_load(model, options=options, world_size=world, hsdp=hsdp if world > 1 else None,
                      dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16, device_type=device_type,
-                     lora_specs=[LoraSpec.parse(t, default_scale=options.lora_scale) for t in options.lora_path])
+                     lora_specs=[LoraSpec.parse(t, default_scale=options.lora_scale) for t in options.lora_path],
+                     lora_headers_only=True)  # checked by serve_options.check_lora_files and by each worker
     strategy = weight_load_strategy(options, od_config)
     return dataclasses.replace(plan, views_files=False), strategy if world > 1 else "full"
 
