@@ -337,7 +337,8 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
         # private: the cast copies and the fused weights (copy-on-write), not the clean mapped pages
         mapped = sum(c for c, f, _, _ in shape.tensors.values() if c == f)
         fused = min(shape.lora_targets, mapped) if fuses else 0
-        private = whole - mapped + fused + max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0)
+        private = min(host, whole - mapped + fused +  # the fused pages' frees at their file's unmap not modelled
+                      max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0))
         if not sharded and not on_device:  # the module keeps viewing its files
             held_private, held_mapped = whole - mapped + fused, mapped - fused
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
