@@ -82,6 +82,9 @@ def test_the_api_server_refuses_for_the_host_before_any_worker_starts(sparse_wan
     for word in ("host peak", "available", "cgroup", "rank_local", '"preflight": "warn" in --additional-config '
                  "diffusion_hsdp", "VLLM_DIFFUSION_PREFLIGHT=warn"):
         assert word in line, line
+    flat = {k: v for k, v in stage.items() if k != "parallel_config"} | stage["parallel_config"]  # as the CLI gives
+    assert _api_server_in(LIMIT, flat).startswith("PreflightError: pre-flight: hsdp_weight_load='full' does not "
+                                                  "fit ranks 0-1's host")
     line = _api_server_in(LIMIT, {**stage, "additional_config": {"diffusion_hsdp": {"hsdp_weight_load":
                                                                                         "rank_local"}}})
     assert line == "ACCEPTED", line

@@ -73,13 +73,14 @@ def _wrap(original):
     @functools.wraps(original)
     def extract_diffusion_stage_config_kwargs(kwargs, *args, **kw):
         result = original(kwargs, *args, **kw)
-        return carry_load_format(kwargs.get("load_format"), result)
+        return carry_load_format(kwargs.get("load_format"), result, stage=kwargs)
 
     return extract_diffusion_stage_config_kwargs
 
 
-def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check."""
+def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, stage: Any = None) -> dict[str, Any]:
+    """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check;
+    ``stage``: the stage's engine arguments they came from (vllm-omni's parallel options among them)."""
     from vllm_diffusion_plugin import LOAD_FORMAT
     from vllm_diffusion_plugin.doors.omni import preflight, serve_options
 
@@ -93,7 +94,7 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any]) -> dic
     options = serve_options.omni_options(additional)
     serve_options.check_supported(options, diffusion_kwargs)
     serve_options.check_lora_files(options, diffusion_kwargs)
-    preflight.check_host(options, diffusion_kwargs)  # the node's host, before any worker starts
+    preflight.check_host(options, {**dict(stage or {}), **diffusion_kwargs})  # the node's host, before any worker
     _require_worker_units()
     additional[serve_options.CARRIED_KEY] = LOAD_FORMAT
     logger.info("--load-format %s: carried to vllm-omni's diffusion workers (hsdp_weight_load=%s, %d LoRA "

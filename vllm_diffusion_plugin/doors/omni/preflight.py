@@ -25,14 +25,17 @@ HOW = '"preflight": "warn" in --additional-config diffusion_hsdp (or VLLM_DIFFUS
 
 
 def _parallel(od_config: Any) -> Any:
-    """vllm-omni's ``DiffusionParallelConfig`` of the stage (a mapping in the API server), or None."""
-    config = od_config.get("parallel_config") if isinstance(od_config, dict) else \
-        getattr(od_config, "parallel_config", None)
-    if config is None or hasattr(config, "world_size"):
-        return config
+    """vllm-omni's ``DiffusionParallelConfig`` of the stage (in the API server resolved from its arguments, nested
+    ``parallel_config`` or flat, as vllm-omni resolves them), or None."""
+    if not isinstance(od_config, dict):
+        return getattr(od_config, "parallel_config", None)
     from vllm_omni.diffusion.data import DiffusionParallelConfig
 
-    return DiffusionParallelConfig.from_dict(dict(config) if isinstance(config, dict) else dict(vars(config)))
+    resolve = getattr(DiffusionParallelConfig, "from_stage_overrides", None)
+    if resolve is not None:
+        return resolve(od_config)
+    config = od_config.get("parallel_config")
+    return DiffusionParallelConfig.from_dict(dict(config)) if isinstance(config, dict) else config
 
 
 def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
@@ -68,8 +71,8 @@ def _device_type() -> str:
 
 
 def check_host(options: Any, od_config: Any) -> None:
-    """The API server's pre-flight (see the module docstring); ``od_config``: the stage's ``OmniDiffusionConfig``
-    fields."""
+    """The API server's pre-flight (see the module docstring); ``od_config``: the stage's arguments (a dict: its
+    ``OmniDiffusionConfig`` fields over the engine arguments they came from)."""
     model = od_config.get("model") if isinstance(od_config, dict) else getattr(od_config, "model", None)
     if options.preflight == "off" or not model or not Path(str(model)).is_dir():
         return
