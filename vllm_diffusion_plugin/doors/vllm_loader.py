@@ -69,10 +69,14 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         then fuse the LoRA files."""
         from vllm_diffusion_plugin.engine.weights import load_into_module
 
+        from vllm_diffusion_plugin.engine import integrity
+
         source = self._source(model_config)
+        stamps = integrity.stamp(source.files)  # a shard truncated or replaced from here on is named
         loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
-        result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
-                                  threads=self.options.threads)
+        with integrity.unchanged(stamps, component=source.name):
+            result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
+                                      threads=self.options.threads)
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
                     result.bytes_read / 1e6, source.folder, result.seconds)
         if loras is not None:

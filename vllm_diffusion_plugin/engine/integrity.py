@@ -13,8 +13,9 @@ version was read cannot be told.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,3 +66,15 @@ def check_unchanged(stamps: Mapping[Path, FileStamp], *, component: str) -> None
             raise CheckpointChangedError(f"{path} changed while the load of {component} read it: {how}; its "
                                          f"header no longer describes its bytes, nothing of {component} is kept. "
                                          f"Load again once the checkpoint is complete")
+
+
+@contextlib.contextmanager
+def unchanged(stamps: Mapping[Path, FileStamp], *, component: str) -> Iterator[None]:
+    """Around one component's read: a file of it that changed since stamped is named (:func:`check_unchanged`),
+    whether the read failed on it or read it silently."""
+    try:
+        yield
+    except Exception:
+        check_unchanged(stamps, component=component)  # raises when a file changed (the read's error its context)
+        raise
+    check_unchanged(stamps, component=component)

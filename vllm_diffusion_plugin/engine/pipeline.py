@@ -14,7 +14,6 @@ assignment, HSDP sizes, strategy) is validated before the first weight is read.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -210,24 +209,12 @@ def load_components(
         loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
         for source in sources:
             files = [(str(s.path), s.scale) for s in loras.get(source.name, [])]
-            with unchanged(stamps[source.name], component=source.name):  # a shard truncated or replaced: named
+            with integrity.unchanged(stamps[source.name], component=source.name):  # a shard truncated or replaced: named
                 loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
                                                         lora_files=files, shard_reports=loaded.shard_reports)
         step.close()  # not after a failure: a group with a dead or stalled peer may block in its teardown
     report.finish()
     return loaded
-
-
-@contextlib.contextmanager
-def unchanged(stamps: dict, *, component: str):
-    """Around one component's load: a file of it that changed since its header was read is named
-    (``integrity.CheckpointChangedError``) whether the load failed on it or read it silently."""
-    try:
-        yield
-    except Exception as exc:
-        integrity.check_unchanged(stamps, component=component)  # raises, from exc, when a file changed
-        raise exc
-    integrity.check_unchanged(stamps, component=component)
 
 
 @dataclass
