@@ -63,6 +63,19 @@ def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
     return dataclasses.replace(plan, views_files=False), strategy if world > 1 else "full"
 
 
+def _plan_or_none(options: Any, od_config: Any, *, model: str, device_type: str):
+    """``_plan``, or None (logged) where this folder cannot be planned: a pipeline vllm-omni runs may hold a DiT
+    whose class diffusers lacks; its load is then left to the workers, as before the pre-flight."""
+    from vllm_diffusion_plugin.engine import preflight
+
+    try:
+        return _plan(options, od_config, model=model, device_type=device_type)
+    except Exception as exc:
+        preflight.logger.warning("pre-flight skipped: %s cannot be planned (%s)", model,
+                                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+
+
 def _device_type() -> str:
     from vllm_diffusion_plugin import envs
     from vllm_diffusion_plugin.engine import platform
@@ -81,7 +94,10 @@ def check_host(options: Any, od_config: Any) -> None:
     from vllm_diffusion_plugin.engine import preflight
 
     started = time.perf_counter()
-    plan, strategy = _plan(options, od_config, model=str(model), device_type=_device_type())
+    planned = _plan_or_none(options, od_config, model=str(model), device_type=_device_type())
+    if planned is None:
+        return
+    plan, strategy = planned
     starting = plan.world_size * preflight.private_rss()
     host = preflight.host_available()
     preflight.enforce([preflight.check_host(plan, strategy, host=host, starting=starting)], mode=options.preflight,
@@ -105,6 +121,9 @@ def check_device(options: Any, od_config: Any) -> None:
     free = platform.free_memory(device)
     if free is None:
         return
-    plan, strategy = _plan(options, od_config, model=str(model), device_type=device.type)
+    planned = _plan_or_none(options, od_config, model=str(model), device_type=device.type)
+    if planned is None:
+        return
+    plan, strategy = planned
     problem = preflight.check_device(plan, strategy, rank=World.current().rank, free=free)
     preflight.enforce([problem], mode=options.preflight, how=HOW)
