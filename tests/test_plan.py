@@ -180,19 +180,47 @@ def test_plan_reads_no_weight_byte(tmp_path, capsys, monkeypatch):
 
 
 def test_plan_table_names_strategies_and_pick(tiny_wan_dir, wan_loras, capsys):
-    assert cli.main(["plan", str(tiny_wan_dir), *wan_loras, *COMMON, "--nproc", "2", "--host-memory", "64GiB"]) == 0
+    args = ["plan", str(tiny_wan_dir), *wan_loras, *COMMON, "--nproc", "2", "--host-memory", "64GiB"]
+    assert cli.main([*args, "--per-rank"]) == 0
     out = capsys.readouterr().out
     for word in ("full", "broadcast", "rank_local", "lora_device_chunk_mb", "hsdp_broadcast_bucket_mb",
                  "pick: rank_local", "64.00 GiB"):
         assert word in out, out
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    for word in ("read", "held", "host peak", "device peak", "fits", "pick: rank_local", "64.00 GiB shared by 2"):
+        assert word in out, out
+
+
+def test_plan_is_one_line_per_strategy_at_scale_and_every_rank_on_request(tiny_wan_dir, capsys):
+    """8 ranks x 2 DiTs x 3 strategies: by default a header, one line per strategy (its worst rank) and the
+    verdict; ``--per-rank`` the table of every rank and component, as before; --json carries the summary."""
+    args = ["plan", str(tiny_wan_dir), *COMMON, "--nproc", "8", "--host-memory", "64GiB"]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[2:5]}
+    assert set(rows) == {"full", "broadcast", "rank_local"} and len(lines) == 7, lines
+    assert all(row[-1] == "yes" for row in rows.values()), rows
+    assert cli.main([*args, "--per-rank"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2 + 3 * 8 * 3 + 2
+    plan = plan_json(capsys, *args[1:])
+    for strategy, row in plan["summary"].items():  # the summary's figures are the largest over the ranks
+        ranks = [r for r in plan["ranks"] if r["strategy"] == strategy]
+        assert row["host_peak"] == max(r["host_peak"] for r in ranks)
+        assert row["bytes_read"] == max(r["bytes_read"] for r in ranks)
+        assert row["node_ranks"] == list(range(8)) and row["fits"] is True
 
 
 def test_plan_says_what_does_not_fit(tiny_wan_dir, capsys):
-    plan = plan_json(capsys, str(tiny_wan_dir), *COMMON, "--nproc", "2", "--host-memory", "120KB")
-    full = max(r["host_peak"] for r in plan["ranks"] if r["strategy"] == "full")
-    local = max(r["host_peak"] for r in plan["ranks"] if r["strategy"] == "rank_local")
-    assert local < 120e3 < full, (local, full)  # the figures the verdict rests on
-    assert plan["fits"]["full"] is False and plan["pick"] == "rank_local"
+    """The ranks of a node share its host memory: their host needs add up against --host-memory. ``broadcast``
+    holds each DiT whole on both ranks; ``full`` views its files (pages the kernel can drop, shared by the ranks)
+    and holds its shards, as ``rank_local``."""
+    plan = plan_json(capsys, str(tiny_wan_dir), *COMMON, "--nproc", "2", "--host-memory", "300KB")
+    wanted, local = (plan["summary"][s]["node_host_need"] for s in ("broadcast", "rank_local"))
+    assert local < 300e3 < wanted, (local, wanted)  # the figures the verdict rests on
+    worst = max(r["host_private_peak"] for r in plan["ranks"] if r["strategy"] == "broadcast")
+    assert worst < 300e3, worst  # one rank alone would fit: only the node's sum does not
+    assert plan["fits"] == {"full": True, "broadcast": False, "rank_local": True} and plan["pick"] == "rank_local"
     plan = plan_json(capsys, str(tiny_wan_dir), *COMMON, "--host-memory", "1KB")
     assert plan["pick"] is None and plan["fits"]["full"] is False
 

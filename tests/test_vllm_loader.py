@@ -157,3 +157,108 @@ def test_a_bad_lora_is_one_line_naming_its_file_and_key_before_any_weight_is_rea
     # raised by the check that runs before the checkpoint is streamed (load_weights: _prepare_loras, then
     # load_into_module), not after the read by the fusion
     assert "_prepare_loras" in result["traceback"] and "_fuse_loras" not in result["traceback"], result["traceback"]
+
+
+def test_a_load_over_the_hosts_memory_is_refused_before_vllm_allocates_the_model(tmp_path):
+    """A Llama whose headers say ~9.7 GB of float32 weights (the data regions are holes), loaded by vLLM in a
+    memory cgroup of 6 GiB (this project's way: ``bench_capacity.MemoryLimit``, root): refused in one line naming
+    the rank, both figures and the extra-config key that loads anyway, before vLLM builds the model (the group
+    never holds it; nothing is OOM-killed). Today's code let vLLM allocate and fill it until the kernel killed
+    the process."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_capacity as cap
+    import plan_real_size as prs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_diffusion_plugin.tiny.models import TINY_LLAMA
+    from vllm_diffusion_plugin.tools.servers import joining
+
+    config = LlamaConfig(**(TINY_LLAMA | dict(vocab_size=256, hidden_size=4096, intermediate_size=11008,
+                                               num_hidden_layers=12, num_attention_heads=32,
+                                               num_key_value_heads=32, head_dim=128, max_position_embeddings=128)))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model_dir = tmp_path / "big-llama"
+    model_dir.mkdir()
+    config.save_pretrained(model_dir)
+    data = prs.write_safetensors(model_dir / "model.safetensors", [(k, tuple(t.shape), torch.float32) for k, t in
+                                                                   model.state_dict(keep_vars=True).items()])
+    assert data > 9e9, data
+    (tmp_path / "spec.json").write_text(json.dumps([{"name": "over", "model": str(model_dir),
+                                                     "load_format": "diffusion-hsdp"}]))
+    out = tmp_path / "out"
+    out.mkdir()
+    group = cap.MemoryLimit(6 * 2**30, f"vllm-diffusion-preflight-vllm-{os.getpid()}")
+    try:
+        group.__enter__()
+    except OSError as exc:
+        pytest.skip(f"no memory cgroup here: {exc}")
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
+        proc = subprocess.run([sys.executable, str(SCENARIOS), str(tmp_path / "spec.json"), str(out)], env=env,
+                              capture_output=True, text=True, timeout=600, preexec_fn=joining(group.path))
+        peak, kills = group.peak(), group.oom_kills()
+    finally:
+        group.__exit__(None, None, None)
+    assert proc.returncode == 0 and kills == 0, (proc.returncode, kills, proc.stderr[-3000:])
+    result = torch.load(out / "over.pt", weights_only=False)
+    assert result.get("error_type") == "PreflightError", result
+    message = result["error"]
+    for word in ("pre-flight", "hsdp_weight_load='full' does not fit rank 0's host", "host peak", "available",
+                 "fits: none", '"preflight": "warn"', "VLLM_DIFFUSION_PREFLIGHT=warn"):
+        assert word in message, message
+    assert "\n" not in message and "initialize_model" not in result["traceback"], result["traceback"]
+    assert peak < 5 * 2**30, peak  # vLLM's imports, no model
+
+
+CHANGING_SCENARIOS = '''
+import os, sys
+sys.path.insert(0, sys.argv[3])
+import get_model_scenarios  # noqa: E402  (sets vLLM's CPU environment first)
+from vllm_diffusion_plugin.engine import weights  # noqa: E402
+
+original = weights.load_into_module
+
+
+def break_then_read(module, *args, source, **kwargs):
+    """Right before the read: the model's file truncated (model name ending in -truncate) or replaced."""
+    shard = sorted(source.files)[0]
+    if str(source.folder).endswith("-truncate"):
+        os.truncate(shard, shard.stat().st_size - 100)
+    else:
+        data = bytearray(shard.read_bytes())
+        start = 8 + int.from_bytes(data[:8], "little")
+        data[start:] = bytes(len(data) - start)
+        shard.with_name("new").write_bytes(bytes(data))
+        shard.with_name("new").rename(shard)
+    return original(module, *args, source=source, **kwargs)
+
+
+weights.load_into_module = break_then_read
+get_model_scenarios.main(sys.argv[1], sys.argv[2])
+'''
+
+
+def test_a_shard_changed_between_its_header_and_its_bytes_is_named(tmp_path):
+    """Issue 36 part 2 in the vLLM door: the model's file truncated or replaced right before the read is named in
+    one line (before: a truncated file failed in torch naming nothing; a replaced one loaded its zeros)."""
+    import shutil
+
+    paths = write_tiny_llama(tmp_path)
+    spec = []
+    for mode in ("truncate", "replace"):
+        shutil.copytree(paths["base"], tmp_path / f"model-{mode}")
+        spec.append({"name": mode, "model": str(tmp_path / f"model-{mode}"), "load_format": "diffusion-hsdp"})
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "run.py").write_text(CHANGING_SCENARIOS)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(tmp_path / "spec.json"), str(out),
+                           str(SCENARIOS.parent)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mode, how in (("truncate", "truncated"), ("replace", "replaced by another file")):
+        result = torch.load(out / f"{mode}.pt", weights_only=False)
+        assert result.get("error_type") == "CheckpointChangedError", result
+        assert "model.safetensors changed while the load of" in result["error"] and how in result["error"], result

@@ -233,3 +233,15 @@ def maybe_retie_word_embeddings() -> Callable[..., Any] | None:
     """vLLM's ``maybe_retie_word_embeddings(model, model_config)`` (reclaims an lm_head equal to the
     embeddings), run by vLLM's own post-load processing; None on a vLLM without it."""
     return _optional("vllm.model_executor.model_loader.weight_tying", "maybe_retie_word_embeddings")
+
+
+def world_barrier() -> None:
+    """Wait for every rank of vLLM's world group (its CPU group: no device work); nothing where that group is not
+    initialized (an in-process load without vLLM's distributed environment)."""
+    get_world_group = _optional("vllm.distributed.parallel_state", "get_world_group")
+    try:
+        group = get_world_group() if get_world_group is not None else None
+    except AssertionError:  # "world group is not initialized"
+        return
+    if group is not None and group.world_size > 1:
+        group.barrier()

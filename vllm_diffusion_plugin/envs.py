@@ -174,6 +174,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "Checkpoint keys that match no parameter are an error (else a warning listing them).",
             _parse_bool, extra_config_key="strict_unexpected",
         ),
+        EnvVar(
+            "VLLM_DIFFUSION_PREFLIGHT", "str", "refuse",
+            "Before the first weight byte, each rank's planned peak against its host (shared by the node's "
+            "ranks) and accelerator memory: refuse a load that cannot fit, warn and load, or off (no plan).",
+            _parse_str, extra_config_key="preflight",
+        ),
     )
 }
 

@@ -67,6 +67,11 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
                    help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
                         "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
+    p.add_argument("--preflight", choices=("refuse", "warn", "off"), default=None,
+                   help="before any weight is read, hold each rank's planned peak (`plan`) against this node's "
+                        "available host memory (MemAvailable, memory cgroup) and its accelerator's free memory: "
+                        "refuse a load that cannot fit, warn and load, or off; unset: VLLM_DIFFUSION_PREFLIGHT or "
+                        "refuse")
 
 
 def _add_shared_options(p: argparse.ArgumentParser) -> None:
@@ -115,6 +120,8 @@ def _options(args: argparse.Namespace):
         extra["hsdp_weight_load"] = args.hsdp_weight_load
     if args.read_threads is not None:
         extra["read_threads"] = args.read_threads
+    if getattr(args, "preflight", None) is not None:  # load's flag; plan has none
+        extra["preflight"] = args.preflight
     return LoadOptions.from_extra_config(extra)
 
 
@@ -155,41 +162,48 @@ def run_load(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     sources = _validate(args, world_size)
     validate = time.perf_counter() - started
+    from vllm_diffusion_plugin.doors.planning import preflight_host
+
+    plan = preflight_host(args, options=_options(args), world_size=world_size, under_torchrun=under_torchrun)
+    preflight = time.perf_counter() - started - validate
     writes = args.save_fused is not None and (not under_torchrun or os.environ["RANK"] == "0")
     staging = Staging.create(args.save_fused, flag="--save-fused") if writes else None
     try:
         out_dir = staging.path if staging else None
         if under_torchrun or world_size == 1:
-            merged = _rank_main(args, out_dir=out_dir)
+            merged = _rank_main(args, out_dir=out_dir, plan=plan)
         else:
-            merged = _run_spawned(args, world_size, out_dir)
+            merged = _run_spawned(args, world_size, out_dir, plan)
         if staging:
             staging.commit(sources, checkpoint=args.checkpoint)
-        merged["seconds"] = {"validate": validate, **merged["seconds"]}
+        merged["seconds"] = {"validate": validate, "preflight": preflight, **merged["seconds"]}
         return merged
     finally:
         if staging:
             staging.discard()  # no-op after commit
 
 
-def _run_spawned(args: argparse.Namespace, world_size: int, out_dir: Path | None) -> dict:
+def _run_spawned(args: argparse.Namespace, world_size: int, out_dir: Path | None, plan=None) -> dict:
     from vllm_diffusion_plugin.doors.launcher import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-") as tmp:
-        run_ranks(_spawned_rank, world_size=world_size, workdir=Path(tmp), args=(args, out_dir),
+        run_ranks(_spawned_rank, world_size=world_size, workdir=Path(tmp), args=(args, out_dir, plan),
                   verbose=args.verbose)
         return json.loads((Path(tmp) / "report.json").read_text())
 
 
-def _spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Namespace, out_dir: Path | None) -> None:
+def _spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Namespace, out_dir: Path | None,
+                  plan=None) -> None:
     """One spawned rank (see ``launcher.run_ranks``): load, and on rank 0 write the merged report."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    merged = _rank_main(args, out_dir=out_dir, init_method=f"file://{workdir / 'store'}")
+    merged = _rank_main(args, out_dir=out_dir, init_method=f"file://{workdir / 'store'}", plan=plan)
     if rank == 0:
         (workdir / "report.json").write_text(json.dumps(merged))
 
 
-def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: str | None = None) -> dict:
+def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: str | None = None,
+               plan=None) -> dict:
+    """This rank's load (``plan``: the launcher's pre-flight plan, held against this rank's accelerator first)."""
     from vllm_diffusion_plugin.doors.noise import quiet_third_party
 
     quiet_third_party(verbose=args.verbose)
@@ -205,6 +219,9 @@ def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: s
     compat.configure_vllm_logging()
     quiet_third_party(verbose=args.verbose)  # vLLM's configuration replaced the handlers
     device = resolve_target_device(args.device)
+    from vllm_diffusion_plugin.doors.planning import preflight_device
+
+    preflight_device(plan, options=_options(args), device=device, rank=int(os.environ.get("RANK", "0")))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     started_dist = False
     if world_size > 1 and not dist.is_initialized():

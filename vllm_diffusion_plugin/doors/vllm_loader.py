@@ -35,6 +35,7 @@ from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.pipeline import LoraSpec
 
 logger = init_logger(__name__)
+PREFLIGHT_HOW = ('add "preflight": "warn" to --model-loader-extra-config (or set VLLM_DIFFUSION_PREFLIGHT=warn)')
 
 
 class DiffusionHSDPLoader(compat.base_model_loader()):
@@ -68,10 +69,14 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         then fuse the LoRA files. Onto an accelerator the bytes go through pinned staging (``pinned_staging_mb``)."""
         from vllm_diffusion_plugin.engine.weights import load_into_module
 
+        from vllm_diffusion_plugin.engine import integrity
+
         source = self._source(model_config)
+        stamps = integrity.stamp(source.files)  # a shard truncated or replaced from here on is named
         loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
-        result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
-                                  threads=self.options.threads, staging=self._staging(model))
+        with integrity.unchanged(stamps, component=source.name):
+            result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
+                                      threads=self.options.threads, staging=self._staging(model))
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
                     result.bytes_read / 1e6, source.folder, result.seconds)
         if loras is not None:
@@ -113,6 +118,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
 
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         target_device = torch.device(load_device)
+        self._preflight(vllm_config, model_config, target_device)
         with set_default_torch_dtype(model_config.dtype), target_device:
             model = compat.initialize_model()(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         self.load_weights(model, model_config)
@@ -124,6 +130,29 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         return model.eval()
 
     # ---- steps ------------------------------------------------------------------------------------------
+    def _preflight(self, vllm_config: VllmConfig, model_config: ModelConfig, device: torch.device) -> None:
+        """Before vLLM allocates the model (``engine.preflight``): the checkpoint's bytes at the model's dtype (its
+        tensor-parallel share) and the LoRA files against what this node's host has left, for all its workers
+        together, and against this worker's free accelerator memory. Every worker measures, then waits for the
+        others (vLLM's world group), so that none counts another's model as taken."""
+        if self.options.preflight == "off":
+            return
+        from vllm_diffusion_plugin.engine import platform, preflight
+
+        parallel = vllm_config.parallel_config
+        local = getattr(parallel, "local_world_size", None) or \
+            max(1, parallel.world_size // max(1, getattr(parallel, "nnodes", 1)))
+        plan = preflight.plan_module_load(
+            self._source(model_config), dtype=model_config.dtype, device_type=device.type, ranks=local,
+            lora_files=[(str(s.path), s.scale) for s in self.lora_specs],
+            tensor_parallel=parallel.tensor_parallel_size, chunk_mb=self.options.lora_device_chunk_mb)
+        host, free = preflight.host_available(), platform.free_memory(device)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        compat.world_barrier()
+        preflight.enforce([preflight.check_host(plan, "full", host=host, strategies=("full",)),
+                           preflight.check_device(plan, "full", rank=rank % local, free=free, strategies=("full",))],
+                          mode=self.options.preflight, how=PREFLIGHT_HOW)
+
     def _source(self, model_config: ModelConfig) -> ComponentSource:
         try:
             sources = resolve_checkpoint(model_config.model, revision=model_config.revision,

@@ -64,6 +64,9 @@ class LoadOptions:
     """Accept .bin/.pt checkpoints (``torch.load(weights_only=True)``) when no safetensors exist."""
     strict_unexpected: bool = False
     """Checkpoint keys that match no parameter are an error (else a warning listing them)."""
+    preflight: str = "refuse"
+    """Before the first weight byte, each rank's planned peak against its host (shared by the node's ranks) and
+    accelerator memory (``engine.preflight``): ``refuse`` a load that cannot fit, ``warn`` and load, or ``off``."""
 
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys another vLLM component put into the extra config for its own use (e.g. ``is_draft``)."""
@@ -121,6 +124,8 @@ class LoadOptions:
         if self.lora_host_weights not in LORA_HOST_SIDES:
             raise ValueError(f"lora_host_weights must be one of {', '.join(LORA_HOST_SIDES)}, "
                              f"got {self.lora_host_weights!r}")
+        if self.preflight not in PREFLIGHT_MODES:
+            raise ValueError(f"preflight must be one of {', '.join(PREFLIGHT_MODES)}, got {self.preflight!r}")
         if not self.hsdp_broadcast_timeout_s > 0:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
@@ -130,6 +135,8 @@ WEIGHT_LOAD_STRATEGIES = ("full", "broadcast", "rank_local")
 
 LORA_HOST_SIDES = ("auto", "cpu", "device")
 """Values of ``lora_host_weights``."""
+PREFLIGHT_MODES = ("refuse", "warn", "off")
+"""Values of ``preflight`` (``engine.preflight.MODES``)."""
 
 _VLLM_OWNED_KEYS = ("is_draft",)
 """Keys vLLM itself adds to a loader's extra config; accepted and passed through untouched."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine import integrity, platform
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
@@ -187,6 +187,7 @@ def load_components(
     # ---- validate everything before the first byte of weights is read
     with report.phase("resolve"):
         sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
+        stamps = {s.name: integrity.stamp(s.files) for s in sources}  # right after their headers were read
     with report.phase("imports"):  # code, not weights: a diffusers model module pulls in ~400 MB and seconds
         for source in sources:
             component_class(source)
@@ -211,8 +212,9 @@ def load_components(
         loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
         for source in sources:
             files = [(str(s.path), s.scale) for s in loras.get(source.name, [])]
-            loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
-                                                    lora_files=files, shard_reports=loaded.shard_reports)
+            with integrity.unchanged(stamps[source.name], component=source.name):  # a shard truncated or replaced: named
+                loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
+                                                        lora_files=files, shard_reports=loaded.shard_reports)
         step.close()  # not after a failure: a group with a dead or stalled peer may block in its teardown
     report.finish()
     return loaded

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,6 +70,14 @@ class RankPlan:
     """None when the load runs on the CPU (no accelerator)."""
     first_run_peak: int
     """Held bytes plus the first run's largest FSDP block all-gather (host or accelerator)."""
+    host_private_peak: int = 0
+    """``host_peak`` less the clean checkpoint pages it maps (``full`` views its files copy-on-write): what the
+    kernel cannot drop under a memory limit, and what ranks on one node do not share (they share file pages)."""
+    first_run_private_peak: int = 0
+    """``first_run_peak`` likewise (on the CPU: the held bytes not mapped from files plus the all-gather)."""
+    held_mapped: int = 0
+    """Clean file pages the loaded modules keep viewing (an unsharded ``full`` component on the host): in use by
+    the model, so counted, but once per node (the ranks share them)."""
 
 
 @dataclass(frozen=True)
@@ -84,38 +93,83 @@ class Plan:
     unavailable: dict[str, str] = field(default_factory=dict)
     """Strategy -> why it cannot serve this load (``check_strategy``'s message)."""
     host_memory: int | None = None
+    """Host memory of one node, shared by its ranks (their host peaks add up)."""
     device_memory: int | None = None
+    """Memory of one accelerator (one per rank)."""
+    local_world_size: int | None = None
+    """Ranks per node (consecutive ranks share a node's host memory); None: every rank on one node."""
+    views_files: bool = True
+    """``full`` views its files' pages as the CLI's load does; False: the door copies every tensor into a model
+    built elsewhere (vllm-omni), so the host needs are the host peaks, file pages and all."""
 
-    def fits(self, strategy: str) -> bool | None:
-        """Whether every rank's peaks under ``strategy`` fit the given memory (None: no limit given)."""
+    def host_need(self, r: RankPlan, *, first_run: bool = True) -> int:
+        """What ``r`` needs of the host that the kernel cannot reclaim: its private host peak, or on the CPU its
+        first run's when larger (``first_run=False``: the load alone, as the CLI's, which runs nothing). The clean
+        file pages a load maps are left out: under pressure the kernel drops them (and reads them again), and the
+        ranks of a node share them."""
+        if not self.views_files:
+            return max(r.host_peak, r.first_run_peak if self.device_type == "cpu" and first_run else 0)
+        return max(r.host_private_peak, r.first_run_private_peak if self.device_type == "cpu" and first_run else 0)
+
+    def device_need(self, r: RankPlan) -> int | None:
+        """What ``r`` needs of its accelerator: its device peak or its first run's peak (None on the CPU)."""
+        return None if r.device_peak is None else max(r.device_peak, r.first_run_peak)
+
+    def node_host_need(self, strategy: str, *, first_run: bool = True) -> tuple[int, tuple[int, ...]]:
+        """The most one node's ranks need of its host under ``strategy`` together, and those ranks."""
+        per_node = self.local_world_size or self.world_size
+        nodes: dict[int, list[RankPlan]] = {}
+        for r in self.ranks:
+            if r.strategy == strategy:
+                nodes.setdefault(r.rank // per_node, []).append(r)
+        need = lambda rows: sum(self.host_need(r, first_run=first_run) for r in rows) + \
+            max((r.held_mapped for r in rows if self.views_files), default=0)  # noqa: E731
+        worst = max(nodes.values(), key=need, default=[])
+        return need(worst), tuple(r.rank for r in worst)
+
+    def fits(self, strategy: str, *, first_run: bool = True) -> bool | None:
+        """Whether ``strategy`` fits the given memory: each node's ranks' host needs together within
+        ``host_memory``, each rank's device need within ``device_memory`` (None: no limit given)."""
         if strategy in self.unavailable:
             return False
         if self.host_memory is None and self.device_memory is None:
             return None
-        for r in self.ranks:
-            if r.strategy != strategy:
-                continue
-            if self.host_memory is not None and max(r.host_peak, r.first_run_peak if self.device_type == "cpu"
-                                                    else 0) > self.host_memory:
-                return False
-            if self.device_memory is not None and r.device_peak is not None and max(
-                    r.device_peak, r.first_run_peak) > self.device_memory:
-                return False
-        return True
+        if self.host_memory is not None and \
+                self.node_host_need(strategy, first_run=first_run)[0] > self.host_memory:
+            return False
+        needs = [self.device_need(r) for r in self.ranks if r.strategy == strategy]
+        return self.device_memory is None or all(n is None or n <= self.device_memory for n in needs)
 
-    def pick(self) -> str | None:
+    def pick(self, *, first_run: bool = True) -> str | None:
         """The fitting strategy with the smallest host peak on any rank, then the fewest bytes read per rank."""
         def cost(strategy: str) -> tuple[int, int]:
             rows = [r for r in self.ranks if r.strategy == strategy]
             return (max(max(r.host_peak, r.device_peak or 0) for r in rows), max(r.bytes_read for r in rows))
 
-        usable = [s for s in STRATEGY_ORDER if s not in self.unavailable and self.fits(s) is not False]
+        usable = [s for s in STRATEGY_ORDER
+                  if s not in self.unavailable and self.fits(s, first_run=first_run) is not False]
         return min(usable, key=cost) if usable else None
+
+    def summary(self, strategy: str) -> dict[str, Any] | None:
+        """``strategy`` on its worst rank, figure by figure (each the largest over its ranks), with the node's
+        host need and whether it fits; None when the strategy cannot serve this load."""
+        rows = [r for r in self.ranks if r.strategy == strategy]
+        if not rows:
+            return None
+        devices = [r.device_peak for r in rows if r.device_peak is not None]
+        node, node_ranks = self.node_host_need(strategy)
+        return {"runs": rows[0].runs, "bytes_read": max(r.bytes_read for r in rows),
+                "held": max(sum(c.held for c in r.components) for r in rows),
+                "host_peak": max(r.host_peak for r in rows), "device_peak": max(devices) if devices else None,
+                "first_run_peak": max(r.first_run_peak for r in rows),
+                "worst_rank": max(rows, key=lambda r: (self.host_need(r), self.device_need(r) or 0)).rank,
+                "node_host_need": node, "node_ranks": list(node_ranks), "fits": self.fits(strategy)}
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["fits"] = {s: self.fits(s) for s in STRATEGY_ORDER}
         data["pick"] = self.pick()
+        data["summary"] = {s: self.summary(s) for s in STRATEGY_ORDER if s not in self.unavailable}
         return data
 
 
@@ -139,30 +193,15 @@ class _Shape:
     lora_file_bytes: int
     """The LoRA files as read (held beside the normalized factors while they are prepared)."""
     lora_largest: int
+    lora_targets: int
+    """Bytes (final dtypes) of the weights the LoRA fuses into: private copies where they viewed a mapping."""
     """Bytes of the largest ``B @ A`` delta (final dtype), bounded by the LoRA chunk."""
     largest_file: int
     """The largest checkpoint file's tensor bytes: what a reader's mapping of one file holds at most."""
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``64GiB`` / ``80GB`` / ``512MiB`` / ``1e9`` / a plain integer; ValueError naming the text."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    s = text.strip().lower().replace(" ", "")
-    number = s.rstrip("abgikmt")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value < 0:
-        raise ValueError(f"memory size {text!r}: expected a number with an optional unit "
-                         f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 64GiB")
-    return int(value * units[unit])
-
-
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
-                     options) -> _Shape:
+                     options, lora_headers_only: bool = False) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
     from vllm_diffusion_plugin.engine.skeleton import build_component
@@ -188,9 +227,16 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
         for key in tensors:
             step = next((i for i, n in enumerate(steps) if key.startswith(f"{n}.")), len(steps))
             order[key] = (files[key], step)
-    lora_bytes = largest = 0
+    lora_bytes = largest = targets = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
+    if lora_headers_only and all(str(path).endswith(".safetensors") for path, _ in lora_files):
+        # the factors as their headers list them; every 2-D weight a possible target (an upper bound)
+        from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+
+        lora_bytes = sum(t.nbytes for path, _ in lora_files for t in read_safetensors_header(Path(path)).values())
+        weights = [p.numel() * p.element_size() for p in params.values() if p.dim() == 2] if lora_files else []
+        largest, targets, lora_files = max(weights, default=0), sum(weights), ()
     for lora in prepare_lora_files(module, lora_files, strict=options.lora_strict, component=source.name):
         for name, delta in lora.deltas.items():
             parts = [delta.A, delta.B, delta.bias_delta, delta.full_delta]
@@ -198,7 +244,9 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             weight = params.get(f"{name}.weight", params.get(name))
             if weight is not None:
                 largest = max(largest, weight.numel() * weight.element_size())
-    return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, largest_file)
+                targets += weight.numel() * weight.element_size()
+    return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, targets,
+                  largest_file)
 
 
 def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) -> int:
@@ -228,9 +276,21 @@ def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) ->
     return peak
 
 
+def _private_shard_peak(shape: _Shape, local_of: dict[str, int]) -> int:
+    """``_shard_peak`` of ``full`` in private memory: the local shards copied out, less each cast copy dropped at
+    its step (a tensor viewing its file's mapping frees file pages only)."""
+    above = peak = 0
+    for key in sorted(shape.order, key=lambda k: shape.order[k][1]):
+        ckpt, final, _, _ = shape.tensors[key]
+        above += local_of[key] - (final if ckpt != final else 0)
+        peak = max(peak, above)
+    return peak
+
+
 def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sharded: bool,
-                    options, on_device: bool) -> tuple[ComponentPlan, int, int]:
-    """(plan, host peak, device peak) of one component on ``rank``."""
+                    options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int, int]:
+    """(plan, host peak, device peak, private host peak, private host bytes held after it, file pages its module
+    keeps viewing) of one component on ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
@@ -261,26 +321,39 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     transient = max(transients, key=transients.get)
     copies_shards = sharded and not on_device  # FSDP2's local copies beside the whole component, on the host
     device = held + (chunk if fuses else 0)
+    held_private, held_mapped = (0 if on_device else held), 0
     if rank_local:
-        host = (0 if on_device else local) + lora
+        host = private = (0 if on_device else local) + lora
     elif runs == "broadcast":  # the staging bucket while streaming (rank 0 also maps the file it reads and
         # fuses), then, the bucket released, the local shards copied out of the whole component
         host = whole + max(bucket + (shape.largest_file + lora if rank == 0 else 0),
                            _shard_peak(shape, local_of, maps_files=False) if copies_shards else 0)
+        private = whole + max(bucket + (lora if rank == 0 else 0),
+                              _shard_peak(shape, local_of, maps_files=False) if copies_shards else 0)
     else:  # full: the whole component, viewing its files' mappings where the dtypes match (a cast tensor is a copy,
         # its file pages stay mapped beside it), fused; then its local shards copied out of it
         cast = sum(c for c, f, _, _ in shape.tensors.values() if c != f)
         host = whole + cast + max(lora, _shard_peak(shape, local_of, maps_files=True) if copies_shards else 0)
+        # private: the cast copies and the fused weights (copy-on-write), not the clean mapped pages
+        mapped = sum(c for c, f, _, _ in shape.tensors.values() if c == f)
+        fused = min(shape.lora_targets, mapped) if fuses else 0
+        private = min(host, whole - mapped + fused +  # the fused pages' frees at their file's unmap not modelled
+                      max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0))
+        if not sharded and not on_device:  # the module keeps viewing its files
+            held_private, held_mapped = whole - mapped + fused, mapped - fused
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
                          transients[transient])
-    return plan, host, device
+    return plan, host, device, private, held_private, held_mapped
 
 
 def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
               world_size: int = 1, hsdp=None, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu",
-              host_memory: int | None = None, device_memory: int | None = None) -> Plan:
+              host_memory: int | None = None, device_memory: int | None = None,
+              local_world_size: int | None = None, lora_headers_only: bool = False) -> Plan:
     """Plan a load of ``checkpoint`` over ``world_size`` ranks (``hsdp``: an ``HSDPConfig`` when > 1) for every
-    strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons)."""
+    strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons);
+    ``local_world_size``: ranks per node (None: all on one); ``lora_headers_only``: the LoRA figures from the
+    files' safetensors headers, not read and checked (the pre-flight: the ranks check them)."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.engine.pipeline import assign_loras
     from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
@@ -293,6 +366,7 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
         resolved = hsdp.resolved(world_size)
         shard_size, layout = resolved.shard_size, resolved.mesh_shape
     shapes = [_component_shape(s, is_dit=s.name in transformers, dtype=dtype, options=options,
+                               lora_headers_only=lora_headers_only,
                                lora_files=[(str(x.path), x.scale) for x in loras.get(s.name, [])]) for s in sources]
     on_device = device_type != "cpu"
     ranks, unavailable = [], {}
@@ -304,18 +378,24 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
             continue
         for rank in range(world_size):
             planned, host_peak, device_peak, held_before, gather = [], 0, 0, 0, 0
+            private_peak = private_before = mapped_after = 0
             for shape in shapes:
                 sharded = shape.is_dit and world_size > 1
-                cp, host, device = _component_plan(shape, runs=runs, rank=rank, shard_size=shard_size,
-                                                   sharded=sharded, options=options, on_device=on_device)
+                cp, host, device, private, held_private, held_mapped = _component_plan(
+                    shape, runs=runs, rank=rank, shard_size=shard_size, sharded=sharded, options=options,
+                    on_device=on_device)
                 planned.append(cp)
                 host_held = 0 if on_device else held_before
                 host_peak = max(host_peak, host_held + host)
+                private_peak = max(private_peak, private_before + private)
                 device_peak = max(device_peak, held_before + device)
                 held_before += cp.held
+                private_before += held_private
+                mapped_after += held_mapped
                 if shape.is_dit:
                     gather = max(gather, *shape.blocks, 0) if sharded else gather
             ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
-                                  host_peak, device_peak if on_device else None, held_before + gather))
+                                  host_peak, device_peak if on_device else None, held_before + gather,
+                                  private_peak, private_before + gather, mapped_after))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
-                unavailable, host_memory, device_memory)
+                unavailable, host_memory, device_memory, local_world_size)

@@ -133,6 +133,20 @@ def empty_cache(device: torch.device | str) -> None:
     module.empty_cache()
 
 
+def free_memory(device: torch.device | str) -> int | None:
+    """Free bytes on ``device`` as its backend says (``torch.cuda.mem_get_info``, ``torch.npu.mem_get_info``, ...);
+    None on the CPU and for a backend without the call (the fake accelerator)."""
+    device = torch.device(device)
+    module = _device_module(device)
+    if device.type == "cpu" or module is None or not hasattr(module, "mem_get_info"):
+        return None
+    try:
+        return int(module.mem_get_info(device)[0])
+    except Exception as exc:  # a driver error: no figure, no refusal
+        logger.info("Free memory of %s unknown (%s); the pre-flight skips it.", device, exc)
+        return None
+
+
 # ---- asynchronous copies: page-locked host memory, a copy stream, events ------------------------------------
 # Through ``torch.<device type>`` (``torch.cuda``, ``torch.npu`` once torch_npu is imported, ``torch.xpu``), which
 # all name these calls alike; a backend module lacking one makes the caller fall back to synchronous copies.

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PHASES = ("startup", "imports", "demo_write", "validate", "resolve", "build", "read", "broadcast", "lora",
+PHASES = ("startup", "imports", "demo_write", "validate", "preflight", "resolve", "build", "read", "broadcast", "lora",
           "postprocess", "shard", "save", "total", "wall")
 """Report order. ``resolve`` .. ``save`` are the ranks' load steps (``load_components``): ``resolve`` (headers) and
 ``imports`` (the diffusers classes the checkpoint names: code, seconds and ~400 MB of RSS for a diffusers model

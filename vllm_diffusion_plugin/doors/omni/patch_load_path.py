@@ -12,7 +12,8 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
 - ``load_model``: for our format, before vllm-omni builds anything: options from
   ``--additional-config diffusion_hsdp`` (``serve_options``), combinations we do not carry refused
   (``serve_options.check_supported``; vllm-omni's ``--diffusion-load-format diffusers`` / ``dummy``;
-  GGUF / torchao / pre-quantized checkpoints); the weight-load strategy (``broadcast``: vllm-omni's
+  GGUF / torchao / pre-quantized checkpoints), this rank's planned device peak held against its free
+  accelerator memory (``preflight.check_device``); the weight-load strategy (``broadcast``: vllm-omni's
   ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank 0 loads through our path,
   vllm-omni's bucketed broadcast sends the result, the other ranks read nothing); then one INFO line per DiT
   component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=... total_s=...
@@ -142,6 +143,7 @@ def _wrap_load_model(original):
 def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     """Every check that needs no weights; the strategy set on the loader's own copy of ``od_config``."""
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
+    from vllm_diffusion_plugin.doors.omni.preflight import check_device
     from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, read_threads, weight_load_strategy
     from vllm_diffusion_plugin.engine.pipeline import World
     from vllm_diffusion_plugin.engine.report import LoadReport, status_memory
@@ -150,6 +152,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     options = omni_load_options(loader)
     options = dataclasses.replace(options, read_threads=read_threads(options, od_config))
     check_supported(options, od_config)
+    check_device(options, od_config)  # this rank's accelerator, before vllm-omni builds anything
     if load_format not in CARRIED_PIPELINE_FORMATS:
         raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
                          f"vllm-omni's --diffusion-load-format {load_format!r} (the diffusers adapter loads "

@@ -14,7 +14,8 @@ offline path import it from this module at call time) is wrapped. When the stage
 1. our options are parsed from ``additional_config["diffusion_hsdp"]`` (``serve_options.omni_options``:
    unknown keys / wrong types raise naming the key) and checked against vllm-omni's own options
    (``serve_options.check_supported``); every ``lora_path`` file is read and checked against its DiT's
-   ``meta`` skeleton (``serve_options.check_lora_files``), as the workers will;
+   ``meta`` skeleton (``serve_options.check_lora_files``), as the workers will; the plan of the load is held
+   against this node's available host memory (``preflight.check_host``);
 2. vllm-omni's diffusion loader module is imported here and the worker-side units (``load-format``,
    ``postprocess``, ``load-path``) must be applied -- the same vllm-omni is installed for the workers, so a
    shape they would not recognize stops the server now (:class:`_patching.LoadFormatUnavailable`);
@@ -72,15 +73,16 @@ def _wrap(original):
     @functools.wraps(original)
     def extract_diffusion_stage_config_kwargs(kwargs, *args, **kw):
         result = original(kwargs, *args, **kw)
-        return carry_load_format(kwargs.get("load_format"), result)
+        return carry_load_format(kwargs.get("load_format"), result, stage=kwargs)
 
     return extract_diffusion_stage_config_kwargs
 
 
-def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check."""
+def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, stage: Any = None) -> dict[str, Any]:
+    """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check;
+    ``stage``: the stage's engine arguments they came from (vllm-omni's parallel options among them)."""
     from vllm_diffusion_plugin import LOAD_FORMAT
-    from vllm_diffusion_plugin.doors.omni import serve_options
+    from vllm_diffusion_plugin.doors.omni import preflight, serve_options
 
     additional = dict(diffusion_kwargs.get("additional_config") or {})
     ours = isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
@@ -92,6 +94,7 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any]) -> dic
     options = serve_options.omni_options(additional)
     serve_options.check_supported(options, diffusion_kwargs)
     serve_options.check_lora_files(options, diffusion_kwargs)
+    preflight.check_host(options, {**dict(stage or {}), **diffusion_kwargs})  # the node's host, before any worker
     _require_worker_units()
     additional[serve_options.CARRIED_KEY] = LOAD_FORMAT
     logger.info("--load-format %s: carried to vllm-omni's diffusion workers (hsdp_weight_load=%s, %d LoRA "

@@ -1,0 +1,129 @@
+"""The pre-flight (``engine.preflight``) behind vllm-omni's door: the API server for the host, each worker for its
+accelerator.
+
+- :func:`check_host`, in the API server (``patch_serve_flag``), before any worker starts: the plan of the DiTs of
+  a local pipeline folder (``plan.plan_load``: headers and ``meta`` skeletons, our ``lora_path`` files) over the
+  diffusion ranks vllm-omni's parallel options give, for the strategy the workers will run
+  (``serve_options.weight_load_strategy``), against what this node has left -- the workers share it with the API
+  server, and each will hold about what the API server holds now before its load (the same imports). vllm-omni
+  copies every tensor into the pipeline it builds, so the host needs are the plan's host peaks (file pages
+  included), and the first run's all-gather counts on a CPU (the server warms up).
+- :func:`check_device`, in each worker (``patch_load_path``) before vllm-omni builds anything: this rank's device
+  peak against its accelerator's free memory; nothing on the CPU.
+
+A hub id (no local folder) is left to the workers' load. The switch named in the refusal: ``"preflight": "warn"``
+in ``--additional-config diffusion_hsdp`` or ``VLLM_DIFFUSION_PREFLIGHT=warn``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+HOW = '"preflight": "warn" in --additional-config diffusion_hsdp (or VLLM_DIFFUSION_PREFLIGHT=warn)'
+
+
+def _parallel(od_config: Any) -> Any:
+    """vllm-omni's ``DiffusionParallelConfig`` of the stage (in the API server resolved from its arguments, nested
+    ``parallel_config`` or flat, as vllm-omni resolves them), or None."""
+    if not isinstance(od_config, dict):
+        return getattr(od_config, "parallel_config", None)
+    from vllm_omni.diffusion.data import DiffusionParallelConfig
+
+    resolve = getattr(DiffusionParallelConfig, "from_stage_overrides", None)
+    if resolve is not None:
+        return resolve(od_config)
+    config = od_config.get("parallel_config")
+    return DiffusionParallelConfig.from_dict(dict(config)) if isinstance(config, dict) else config
+
+
+def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
+    import torch
+
+    from vllm_diffusion_plugin.doors.omni.serve_options import weight_load_strategy
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    parallel = _parallel(od_config)
+    world = int(getattr(parallel, "world_size", 1) or 1)
+    if getattr(parallel, "use_hsdp", False):
+        hsdp = HSDPConfig(replicate_size=parallel.hsdp_replicate_size, shard_size=parallel.hsdp_shard_size)
+    else:
+        hsdp = HSDPConfig(replicate_size=options.hsdp_replicate_size, shard_size=options.hsdp_shard_size)
+    dtype = od_config.get("dtype") if isinstance(od_config, dict) else getattr(od_config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, torch.bfloat16)  # "auto": the DiTs' usual bf16
+    plan = plan_load(model, options=options, world_size=world, hsdp=hsdp if world > 1 else None,
+                     dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16, device_type=device_type,
+                     lora_specs=[LoraSpec.parse(t, default_scale=options.lora_scale) for t in options.lora_path],
+                     lora_headers_only=True)  # checked by serve_options.check_lora_files and by each worker
+    strategy = weight_load_strategy(options, od_config)
+    return dataclasses.replace(plan, views_files=False), strategy if world > 1 else "full"
+
+
+def _plan_or_none(options: Any, od_config: Any, *, model: str, device_type: str):
+    """``_plan``, or None (logged) where this folder cannot be planned: a pipeline vllm-omni runs may hold a DiT
+    whose class diffusers lacks; its load is then left to the workers, as before the pre-flight."""
+    from vllm_diffusion_plugin.engine import preflight
+
+    try:
+        return _plan(options, od_config, model=model, device_type=device_type)
+    except Exception as exc:
+        preflight.logger.warning("pre-flight skipped: %s cannot be planned (%s)", model,
+                                 str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+
+
+def _device_type() -> str:
+    from vllm_diffusion_plugin import envs
+    from vllm_diffusion_plugin.engine import platform
+
+    return "cpu" if envs.get("VLLM_DIFFUSION_OMNI_CPU") else platform.accelerator_type() or "cpu"
+
+
+def check_host(options: Any, od_config: Any) -> None:
+    """The API server's pre-flight (see the module docstring); ``od_config``: the stage's arguments (a dict: its
+    ``OmniDiffusionConfig`` fields over the engine arguments they came from)."""
+    model = od_config.get("model") if isinstance(od_config, dict) else getattr(od_config, "model", None)
+    if options.preflight == "off" or not model or not Path(str(model)).is_dir():
+        return
+    import time
+
+    from vllm_diffusion_plugin.engine import preflight
+
+    started = time.perf_counter()
+    planned = _plan_or_none(options, od_config, model=str(model), device_type=_device_type())
+    if planned is None:
+        return
+    plan, strategy = planned
+    starting = plan.world_size * preflight.private_rss()
+    host = preflight.host_available()
+    preflight.enforce([preflight.check_host(plan, strategy, host=host, starting=starting)], mode=options.preflight,
+                      how=HOW)
+    need, ranks = plan.node_host_need(strategy)
+    preflight.logger.info("pre-flight: hsdp_weight_load=%r on %d diffusion rank(s): host peak %s (%s before their "
+                          "loads) of %s available (%s; %.2f s)", strategy, len(ranks), preflight.size_text(need),
+                          preflight.size_text(starting), preflight.size_text(host.available if host else None),
+                          host.source if host else "-", time.perf_counter() - started)
+
+
+def check_device(options: Any, od_config: Any) -> None:
+    """A worker's pre-flight for its accelerator, before vllm-omni builds its pipeline (nothing on the CPU)."""
+    model = getattr(od_config, "model", None)
+    if options.preflight == "off" or not model or not Path(str(model)).is_dir() or _device_type() == "cpu":
+        return
+    from vllm_diffusion_plugin.engine import platform, preflight
+    from vllm_diffusion_plugin.engine.pipeline import World
+
+    device = platform.local_device()
+    free = platform.free_memory(device)
+    if free is None:
+        return
+    planned = _plan_or_none(options, od_config, model=str(model), device_type=device.type)
+    if planned is None:
+        return
+    plan, strategy = planned
+    problem = preflight.check_device(plan, strategy, rank=World.current().rank, free=free)
+    preflight.enforce([problem], mode=options.preflight, how=HOW)
