@@ -256,3 +256,21 @@ def test_plan_device_peak_within_15_percent_of_the_fake_accelerators(wide_dit, f
     measured = fake_accelerator.peak_bytes
     assert measured > 3e8, measured  # the DiT's bytes
     assert abs(rank.device_peak - measured) <= 0.15 * measured, (rank.device_peak, measured)
+
+
+def test_plan_of_a_load_onto_an_accelerator_counts_the_staging_ring_not_a_host_copy(tiny_wan_dir):
+    """Onto an accelerator with pinned staging, an unsharded ``full`` component is built on the device and filled
+    from the ring: its host need is the ring (and LoRA factors), not the component; without the ring (0 MiB) the
+    old path's host copy is planned, as it is loaded."""
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    def full_host_peak(mb: int) -> int:
+        plan = plan_load(str(tiny_wan_dir), options=LoadOptions(pinned_staging_mb=mb), components=["transformer"],
+                         dtype=torch.bfloat16, device_type="cuda")
+        (rank,) = [r for r in plan.ranks if r.strategy == "full"]
+        return rank.host_peak
+
+    dit_bytes = 80864 // 2  # the tiny Wan's fp32 checkpoint, in bf16
+    assert full_host_peak(0) >= dit_bytes
+    assert full_host_peak(1) == 1 << 20  # the ring alone: the DiT never sits on the host

@@ -341,6 +341,10 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
                       max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0))
         if not sharded and not on_device:  # the module keeps viewing its files
             held_private, held_mapped = whole - mapped + fused, mapped - fused
+    ring = options.pinned_staging_mb * MIB if on_device else 0  # reader.DeviceStaging's page-locked buffers
+    if ring and runs != "broadcast" and not sharded:  # built on the device, filled from the ring: no host copy
+        host = private = lora
+    host, private = host + ring, private + ring
     plan = ComponentPlan(shape.name, bytes_read, held, device if on_device else host, transient,
                          transients[transient])
     return plan, host, device, private, held_private, held_mapped
