@@ -315,6 +315,8 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     with report.phase("build"):
         # parameters on meta in their final dtypes (diffusers' _keep_in_fp32_modules rule); real buffers
         module = build_component(source, dtype=context.dtype, device="meta")
+        if context.quantization is not None:
+            context.quantization(module)
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
         module.to("meta")  # buffers too, so FSDP2 moves nothing; their values are restored after to_empty
     with report.phase("lora"):

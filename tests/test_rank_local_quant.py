@@ -1,0 +1,113 @@
+"""``hsdp_weight_load=rank_local`` with online quantization (issue 37), on real gloo ranks: S=2 and S=4.
+
+The DiTs' block linears get the pure-torch online fp8 method (``testing.online_quant``: per tensor and per output
+channel); a LoRA with A/B pairs, bias and full deltas is fused first. Each rank's quantized rows (fp8 bytes) and
+scales must be bit-identical to the same rows of what ``full`` produces with the same method in the same process
+(the whole tensor quantized by the method itself, before FSDP2 splits it), and every other parameter's rows too;
+each rank still reads only its share of the checkpoint; the sharded forward matches the whole one.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_distributed_load import write_rich_lora, write_uneven_wan
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> tuple[str, str]:
+    root = write_uneven_wan(tmp_path_factory.mktemp("uneven-wan-q"))
+    return str(root), str(write_rich_lora(root.parent / "rich_lora.safetensors", root))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16 if t.element_size() == 2 else
+                                                                     torch.int32 if t.element_size() == 4 else
+                                                                     torch.int64)
+
+
+def _inputs(dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(7)
+    return dict(hidden_states=torch.randn(1, 4, 2, 4, 4, generator=gen).to(dtype), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 8, 16, generator=gen).to(dtype), return_dict=False)
+
+
+def quant_worker(rank: int, world_size: int, checkpoint: str, lora: str, dtype_name: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
+    from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
+
+    dtype = getattr(torch, dtype_name)
+    out = {}
+    for per_channel in (False, True):
+        quantization = functools.partial(attach_online_quant, per_channel=per_channel)
+        common = dict(device=torch.device("cpu"), dtype=dtype, lora_specs=[LoraSpec(Path(lora))],
+                      quantization=quantization)
+        ref = load_components(checkpoint, options=LoadOptions(hsdp_weight_load="full"), hsdp=None, **common)
+        got = load_components(checkpoint, options=LoadOptions(hsdp_weight_load="rank_local"), hsdp=HSDPConfig(),
+                              **common)
+        mismatches, quantized, checked = [], 0, 0
+        for name, module in got.modules.items():
+            whole = ref.modules[name]
+            for pname, param in module.named_parameters():
+                want = whole.get_parameter(pname).detach()
+                owner = whole.get_submodule(pname.rsplit(".", 1)[0]) if "." in pname else whole
+                if pname.endswith(".weight") and getattr(owner, "quant_method", None) is not None:
+                    quantized += 1
+                    want = want.t()  # full's fp8 `.t()` view -> the [out, in] rows
+                if want.dim() == 0:
+                    local, start, stop = (param.to_local() if isinstance(param, DTensor) else param), 0, 0
+                    same = local.dtype == want.dtype and torch.equal(_bits(local), _bits(want))
+                else:
+                    local, start, stop = local_rows(pname, param)
+                    same = local.dtype == want.dtype and torch.equal(_bits(local), _bits(want[start:stop]))
+                checked += 1
+                if not same:
+                    mismatches.append(f"{name}.{pname} rows {start}:{stop} ({local.dtype} vs {want.dtype})")
+            with torch.no_grad():
+                forward = module(**_inputs(dtype))[0].float()
+                reference = whole(**_inputs(dtype))[0].float()
+            out.setdefault("forward_diff", {})[(per_channel, name)] = (forward - reference).abs().max().item()
+        report = got.report.to_dict()
+        out[per_channel] = {"mismatches": mismatches, "quantized": quantized, "checked": checked,
+                            "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
+                            "total_bytes": {n: s.total_bytes for n, s in got.sources.items()},
+                            "lora_keys_fused": report["lora_keys_fused"],
+                            "ref_lora_keys_fused": ref.report.to_dict()["lora_keys_fused"]}
+    return out
+
+
+def check(results: list[dict], shards: int) -> None:
+    for rank, result in enumerate(results):
+        for per_channel in (False, True):
+            r = result[per_channel]
+            what = f"rank {rank} of {len(results)}, {'per-channel' if per_channel else 'per-tensor'}"
+            assert r["quantized"] > 0 and r["checked"] > r["quantized"], (what, r)
+            assert not r["mismatches"], f"{what}: not bit-identical to full: {r['mismatches'][:8]}"
+            assert r["lora_keys_fused"] > 0 and r["ref_lora_keys_fused"] > 0, what
+            for name, read in r["bytes_read"].items():
+                total = r["total_bytes"][name]
+                assert 0 < read <= 1.1 * total / shards, (what, name, read, total / shards)
+        for key, diff in result["forward_diff"].items():
+            assert diff <= 1e-5, (rank, key, diff)
+
+
+@pytest.mark.multiproc
+def test_world2_rank_local_fp8_rows_and_scales_bit_identical_to_full(uneven):
+    checkpoint, lora = uneven
+    check(run_distributed(quant_worker, 2, args=(checkpoint, lora, "bfloat16"), timeout_s=300), 2)
+
+
+@pytest.mark.multiproc
+def test_world4_rank_local_fp8_rows_and_scales_bit_identical_to_full(uneven):
+    checkpoint, lora = uneven
+    check(run_distributed(quant_worker, 4, args=(checkpoint, lora, "bfloat16"), timeout_s=300), 4)
