@@ -66,6 +66,12 @@ def quant_worker(rank: int, world_size: int, checkpoint: str, lora: str, dtype_n
         got = load_components(checkpoint, options=LoadOptions(hsdp_weight_load="rank_local"),
                               hsdp=HSDPConfig(replicate_size=replicate), **common)
         agreed = list(reduced)
+        from vllm_diffusion_plugin.engine.plan import plan_load
+
+        planned = plan_load(checkpoint, options=LoadOptions(), lora_specs=common["lora_specs"], world_size=world_size,
+                            hsdp=HSDPConfig(replicate_size=replicate), dtype=dtype, quantization=quantization)
+        plan_rows = {c.name: c for r in planned.ranks if r.strategy == "rank_local" and r.rank == rank
+                     for c in r.components}
         mismatches, quantized, checked = [], 0, 0
         for name, module in got.modules.items():
             whole = ref.modules[name]
@@ -93,6 +99,9 @@ def quant_worker(rank: int, world_size: int, checkpoint: str, lora: str, dtype_n
                             "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
                             "total_bytes": {n: s.total_bytes for n, s in got.sources.items()},
                             "lora_keys_fused": report["lora_keys_fused"], "all_reduce": agreed,
+                            "held": {c["name"]: c["param_bytes_local"] for c in report["components"]},
+                            "plan": {n: (c.bytes_read, c.held, c.transient, c.transient_bytes)
+                                     for n, c in plan_rows.items()},
                             "ref_lora_keys_fused": ref.report.to_dict()["lora_keys_fused"]}
     return out
 
@@ -113,6 +122,10 @@ def check(results: list[dict], shards: int) -> None:
             for name, read in r["bytes_read"].items():
                 total = r["total_bytes"][name]
                 assert 0 < read <= 1.1 * total / shards, (what, name, read, total / shards)
+                planned_read, planned_held, transient, transient_bytes = r["plan"][name]
+                assert planned_read == read, (what, name, planned_read, read)  # the plan, exactly
+                assert planned_held == r["held"][name], (what, name, planned_held, r["held"][name])
+                assert transient == "quantization" and transient_bytes > 0, (what, name, transient)
         for key, diff in result["forward_diff"].items():
             assert diff <= 1e-5, (rank, key, diff)
 
