@@ -142,3 +142,52 @@ def test_world4_rank_local_fp8_rows_and_scales_bit_identical_to_full(uneven, rep
     checkpoint, lora = uneven
     results = run_distributed(quant_worker, 4, args=(checkpoint, lora, "bfloat16", replicate), timeout_s=300)
     check(results, 4 // replicate)
+
+
+# ---- single process: what is refused, and the layout FSDP2 gets ---------------------------------------------
+class _NoRowsMethod:
+    """An online method that quantizes whole tensors only (no row protocol), e.g. vLLM's own on a CPU host."""
+
+    uses_meta_device = True
+
+
+def _dit_on_meta(per_channel: bool | None):
+    import diffusers
+
+    from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
+    from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
+
+    with torch.device("meta"):
+        module = diffusers.WanTransformer3DModel(**TINY_CONFIGS["wan"])
+    if per_channel is None:
+        module.blocks[0].attn1.to_q.quant_method = _NoRowsMethod()
+    else:
+        attach_online_quant(module, per_channel=per_channel)
+    return module
+
+
+def test_a_method_without_the_row_protocol_is_refused_by_name_before_any_read():
+    from vllm_diffusion_plugin.engine.quant_shards import RowQuantError, find_layers
+
+    with pytest.raises(RowQuantError, match=r"_NoRowsMethod \(layer blocks\.0\.attn1\.to_q\) does not declare how "
+                                            r"\(scale_granularity, quantized_dtype, row_amax, quantize_rows, "
+                                            r"install_rows missing.*use hsdp_weight_load=full"):
+        find_layers(_dit_on_meta(None))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_quantized_layout_on_meta_is_row_major_fp8_with_its_scale(per_channel):
+    from vllm_diffusion_plugin.engine.quant_shards import find_layers, to_quantized_layout
+
+    module = _dit_on_meta(per_channel)
+    layers = find_layers(module)
+    assert len(layers) == 20 and all(layer.per_tensor is not per_channel for layer in layers)
+    weight = module.blocks[0].ffn.net[0].proj.weight
+    loader = object()
+    weight.weight_loader = loader
+    to_quantized_layout(module, layers)
+    proj = module.blocks[0].ffn.net[0].proj
+    assert proj.weight is weight and weight.weight_loader is loader  # same Parameter, attributes kept
+    assert weight.dtype == torch.float8_e4m3fn and tuple(weight.shape) == (proj.out_features, proj.in_features)
+    assert weight.is_contiguous() and weight.is_meta
+    assert tuple(proj.weight_scale.shape) == ((proj.out_features, 1) if per_channel else ())
