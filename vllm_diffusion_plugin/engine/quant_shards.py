@@ -45,6 +45,11 @@ ROW_PROTOCOL = ("scale_granularity", "quantized_dtype", "row_amax", "quantize_ro
 """What a quant method declares to be quantized row by row under ``rank_local``."""
 GRANULARITIES = ("tensor", "channel")
 
+ROW_WISE_METHODS: set[str] = set()
+"""Quantization method names (as given to vllm-omni's ``--quantization``) whose methods declare the row protocol;
+a method registers its name here where it registers itself (``testing.online_quant.register_omni_override``).
+vllm-omni's door refuses ``rank_local`` with any other name at startup."""
+
 
 class RowQuantError(ValueError):
     """An online quant method ``rank_local`` cannot apply row by row; the message names the layer and method."""

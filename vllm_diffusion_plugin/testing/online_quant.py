@@ -108,3 +108,74 @@ def attach_online_quant(module: nn.Module, *, per_channel: bool = False,
             sub.quant_method = TorchFp8OnlineMethod(per_channel=per_channel)
             names.append(name)
     return names
+
+
+class TorchFp8OnlineLinearMethod(TorchFp8OnlineMethod):
+    """``TorchFp8OnlineMethod`` for vLLM's linear layers (vllm-omni's DiTs): vLLM's ``create_weights`` signature,
+    and a processed weight kept as the row-major ``[out, in]`` storage (what vllm-omni's
+    ``prepare_fp8_layers_for_fsdp`` makes of vLLM's fp8 ``.t()`` weights before FSDP2 shards them)."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        from vllm.model_executor.utils import set_weight_attrs
+
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype,
+                                          device="meta"), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        layerwise.initialize_online_processing(layer)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        weight = layer.weight.detach()
+        qweight, scale = self.quantize_rows(weight, self.row_amax(weight))
+        layer.weight = nn.Parameter(qweight, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.install_rows(layer)
+
+
+def torch_fp8_config(per_channel: bool = False):
+    """A vLLM ``QuantizationConfig`` giving every linear layer ``TorchFp8OnlineLinearMethod`` (CPU proofs only)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    class TorchFp8Config(QuantizationConfig):
+        """Pure-torch online fp8 for CPU tests: NOT vLLM's fp8 (which has no CPU kernel)."""
+
+        def get_name(self):
+            return "torch_fp8_per_channel" if per_channel else "torch_fp8"
+
+        def get_supported_act_dtypes(self):
+            return [torch.float32, torch.bfloat16, torch.float16]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def get_quant_method(self, layer, prefix: str):
+            return TorchFp8OnlineLinearMethod(per_channel=per_channel) if isinstance(layer, LinearBase) else None
+
+    return TorchFp8Config()
+
+
+def register_omni_override() -> tuple[str, str]:
+    """Register ``torch_fp8`` / ``torch_fp8_per_channel`` with vllm-omni's own quantization override hook
+    (``vllm_omni.quantization.factory.register_quantization_override``), so ``--quantization torch_fp8`` reaches
+    vllm-omni's DiTs on a CPU host. Labelled as what it is: a test method, not vLLM's fp8."""
+    from vllm_omni.quantization.factory import register_quantization_override
+
+    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
+
+    register_quantization_override("torch_fp8", lambda **_: torch_fp8_config(False))
+    register_quantization_override("torch_fp8_per_channel", lambda **_: torch_fp8_config(True))
+    ROW_WISE_METHODS.update({"torch_fp8", "torch_fp8_per_channel"})
+    return "torch_fp8", "torch_fp8_per_channel"

@@ -144,10 +144,11 @@ def refusals(options: Any, od_config: Any) -> list[str]:
                         f"for all, or each rank its own rows: pre_sharded alone is our 'rank_local', which fuses "
                         f"LoRAs and loads stacked q/k/v; drop one of the two)")
     quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
-    if strategy == "rank_local" and quantization:
+    if strategy == "rank_local" and quantization and _quant_name(quantization) not in _row_wise_methods():
         problems.append(f"vllm-omni's quantization {_quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
-                        f"(the DiTs are sharded before any weight exists; online quantization needs whole "
-                        f"weights: use 'full')")
+                        f"(each rank quantizes its own rows, which needs a method that declares how -- "
+                        f"engine.quant_shards' row protocol; {_quant_name(quantization)!r} quantizes whole "
+                        f"tensors: use 'full')")
     for name in OFFLOAD_FIELDS:
         if _get(od_config, name, False):
             problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")
@@ -170,6 +171,12 @@ def check_supported(options: Any, od_config: Any) -> None:
     if problems:
         raise ValueError("--load-format diffusion-hsdp under vllm-omni cannot be combined with: "
                          + "; ".join(problems) + ". Drop them or serve without --load-format diffusion-hsdp")
+
+
+def _row_wise_methods() -> set[str]:
+    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
+
+    return ROW_WISE_METHODS
 
 
 def _quant_name(quantization: Any) -> str:
