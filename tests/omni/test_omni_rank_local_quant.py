@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from omni_support import import_omni, load_pipeline, tensor_bytes
 

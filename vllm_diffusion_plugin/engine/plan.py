@@ -319,7 +319,8 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
     if world_size > 1:
         resolved = hsdp.resolved(world_size)
         shard_size, layout = resolved.shard_size, resolved.mesh_shape
-    shapes = [_component_shape(s, is_dit=s.name in transformers, dtype=dtype, options=options, quantization=quantization,
+    shapes = [_component_shape(s, is_dit=s.name in transformers, dtype=dtype, options=options,
+                               quantization=quantization,
                                lora_files=[(str(x.path), x.scale) for x in loras.get(s.name, [])]) for s in sources]
     on_device = device_type != "cpu"
     ranks, unavailable = [], {}
