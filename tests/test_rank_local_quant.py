@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_distributed_load import write_rich_lora, write_uneven_wan
+from test_plan import wide_dit  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +192,37 @@ def test_quantized_layout_on_meta_is_row_major_fp8_with_its_scale(per_channel):
     assert weight.dtype == torch.float8_e4m3fn and tuple(weight.shape) == (proj.out_features, proj.in_features)
     assert weight.is_contiguous() and weight.is_meta
     assert tuple(proj.weight_scale.shape) == ((proj.out_features, 1) if per_channel else ())
+
+
+# ---- the plan's host peak against the load's, at a size RSS can measure -------------------------------------
+def peak_worker(rank: int, world_size: int, dit: str, lora: str, per_channel: bool) -> dict:
+    import vllm_diffusion_plugin.testing.online_quant as online_quant  # vLLM imported before the baseline
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    quantization = functools.partial(online_quant.attach_online_quant, per_channel=per_channel)
+    specs = [LoraSpec(Path(lora))]
+    plan = plan_load(dit, options=LoadOptions(), lora_specs=specs, world_size=world_size, hsdp=HSDPConfig(),
+                     dtype=torch.bfloat16, quantization=quantization)
+    planned = next(r for r in plan.ranks if r.strategy == "rank_local" and r.rank == rank)
+    loaded = load_components(dit, options=LoadOptions(hsdp_weight_load="rank_local"), device=torch.device("cpu"),
+                             dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs, quantization=quantization)
+    report = loaded.report
+    return {"planned": planned.host_peak, "held": sum(c.held for c in planned.components),
+            "added": report.peak_rss_bytes - report.baseline_rss_bytes, "local": report.to_dict()["components"]}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_plan_host_peak_within_15_percent_of_the_quantized_rank_local_load(wide_dit, per_channel):
+    """The 350 MB bf16 DiT of ``test_plan`` at 2 ranks with its LoRA, its block linears quantized to fp8: what each
+    rank's load adds to its RSS against the plan's host peak (fp8 shard, scales, one block's bf16 rows, LoRA)."""
+    dit, lora = wide_dit
+    results = run_distributed(peak_worker, 2, args=(str(dit), str(lora), per_channel), timeout_s=600)
+    for rank, r in enumerate(results):
+        print(f"\n[peak] rank {rank}: planned {r['planned'] / 2**20:.1f} MiB, measured {r['added'] / 2**20:.1f} MiB, "
+              f"held {r['held'] / 2**20:.1f} MiB", flush=True)
+        assert r["added"] > 5e7, r  # the DiT's bytes, not noise
+        assert abs(r["planned"] - r["added"]) <= 0.15 * r["added"], (rank, r["planned"], r["added"])

@@ -171,6 +171,15 @@ def transient_rows(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
+CHUNK_ELEMENTS = 1 << 18
+"""Elements of the row chunks a layer's statistic and quantization run over (bounds their temporaries)."""
+
+
+def _chunks(rows: torch.Tensor) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, rows[0].numel() if rows.dim() and rows.shape[0] else 1))
+    return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -201,13 +210,12 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
             read(transients)
             fuse(transients, members)
             amax = {}
-            for layer in members:
-                rows = _local(transients[layer.weight])
-                if layer.per_tensor:  # no rows here (uneven shards): 0 is neutral for a max of magnitudes
-                    amax[layer.weight] = layer.method.row_amax(rows) if rows.numel() else torch.zeros(
+            for layer in members:  # per tensor; no rows here (uneven shards): 0 is neutral for a max of magnitudes
+                if layer.per_tensor:
+                    rows = _local(transients[layer.weight])
+                    amax[layer.weight] = torch.stack([layer.method.row_amax(rows[c]).reshape(()) for c in
+                                                      _chunks(rows)]).amax() if rows.numel() else torch.zeros(
                         (), dtype=torch.float32, device=rows.device)
-                elif rows.numel():
-                    amax[layer.weight] = layer.method.row_amax(rows)
             tensor_wide = [layer for layer in members if layer.per_tensor]
             group = _shard_group(targets[tensor_wide[0].weight]) if tensor_wide else None
             if group is not None:
@@ -220,10 +228,16 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
             for layer in members:
                 rows = _local(transients[layer.weight])
                 weight, scale = _local(targets[layer.weight]), _local(targets[layer.scale])
-                if rows.numel() or layer.per_tensor:
-                    qrows, qscale = layer.method.quantize_rows(rows, amax[layer.weight])
-                    weight.copy_(qrows)
-                    scale.copy_(qscale)
+                if layer.per_tensor:
+                    scale.copy_(layer.method.quantize_rows(rows[:0], amax[layer.weight])[1])
+                for c in _chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
+                    statistic = amax[layer.weight] if layer.per_tensor else layer.method.row_amax(rows[c])
+                    qrows, qscale = layer.method.quantize_rows(rows[c], statistic)
+                    weight[c].copy_(qrows)
+                    if not layer.per_tensor:
+                        scale[c].copy_(qscale)
+                    del qrows, qscale
+                del rows
                 owner = module.get_submodule(layer.module.removeprefix(prefix))
                 layer.method.install_rows(owner)
                 setattr(owner, PROCESSED_ATTR, True)
