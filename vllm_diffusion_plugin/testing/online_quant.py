@@ -97,7 +97,7 @@ class OnlineQuantLinear(nn.Linear):
 
 
 def attach_online_quant(module: nn.Module, *, per_channel: bool = False,
-                        pattern: str = r"(^|\.)blocks\.\d+\.") -> list[str]:
+                        pattern: str = r"blocks\.\d+\.") -> list[str]:
     """Give every ``nn.Linear`` of ``module`` whose name matches ``pattern`` a ``TorchFp8OnlineMethod`` (on
     ``meta`` or real weights alike: the class changes, the parameters stay). Returns the layer names. The
     ``quantization`` hook of ``pipeline.load_components``."""
