@@ -229,21 +229,28 @@ def peak_worker(rank: int, world_size: int, dit: str, lora: str, per_channel: bo
 
     quantization = functools.partial(online_quant.attach_online_quant, per_channel=per_channel)
     specs = [LoraSpec(Path(lora))]
+    loaded = load_components(dit, options=LoadOptions(hsdp_weight_load="rank_local"), device=torch.device("cpu"),
+                             dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs, quantization=quantization)
+    report = loaded.report  # the plan after the load: its own allocations must not pre-grow the heap the load uses
     plan = plan_load(dit, options=LoadOptions(), lora_specs=specs, world_size=world_size, hsdp=HSDPConfig(),
                      dtype=torch.bfloat16, quantization=quantization)
     planned = next(r for r in plan.ranks if r.strategy == "rank_local" and r.rank == rank)
-    loaded = load_components(dit, options=LoadOptions(hsdp_weight_load="rank_local"), device=torch.device("cpu"),
-                             dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs, quantization=quantization)
-    report = loaded.report
     return {"planned": planned.host_peak, "held": sum(c.held for c in planned.components),
             "added": report.peak_rss_bytes - report.baseline_rss_bytes, "local": report.to_dict()["components"]}
 
 
 @pytest.mark.multiproc
+@pytest.mark.xfail(strict=True, reason="known gap (issue 37): measured in a rank process, the quantized rank_local "
+                   "load adds 178-189 MiB where the plan says 147 (17-22% more); the same bf16 load there measures "
+                   "+10% over its plan (233 vs 211), and the CLI's own measurement of it is within 15%. The "
+                   "quantization-specific remainder (~11-20 MiB: LoRA fusion temporaries per block, allocator reuse "
+                   "of the block transients) is not modelled yet")
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
 def test_plan_host_peak_within_15_percent_of_the_quantized_rank_local_load(wide_dit, per_channel):
     """The 350 MB bf16 DiT of ``test_plan`` at 2 ranks with its LoRA, its block linears quantized to fp8: what each
-    rank's load adds to its RSS against the plan's host peak (fp8 shard, scales, one block's bf16 rows, LoRA)."""
+    rank's load adds to its RSS against the plan's host peak (fp8 shard, scales, one block's bf16 rows, LoRA).
+    The plan runs after the load: run before it, its allocations pre-grow the heap and flatter the load (this
+    test once passed that way at 153-161 MiB)."""
     dit, lora = wide_dit
     results = run_distributed(peak_worker, 2, args=(str(dit), str(lora), per_channel), timeout_s=600)
     for rank, r in enumerate(results):
