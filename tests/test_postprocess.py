@@ -270,8 +270,11 @@ class RegisteredFp8OnlineMethod:
     ``QuantizeMethodBase`` only by ABC registration, as an out-of-tree quant method may be."""
 
     uses_meta_device = True
+    per_channel = False
     create_weights = TorchFp8OnlineMethod.create_weights
     apply = TorchFp8OnlineMethod.apply
+    row_amax = TorchFp8OnlineMethod.row_amax  # process_weights_after_loading quantizes through these two
+    quantize_rows = TorchFp8OnlineMethod.quantize_rows
     process_weights_after_loading = TorchFp8OnlineMethod.process_weights_after_loading
 
 

@@ -91,6 +91,26 @@ def require_finalize_layerwise_processing() -> Callable[..., Any]:
                     purpose="materializing online-quant layers left on the meta device")
 
 
+def detach_layerwise_processing(layer: Any) -> bool:
+    """Undo vLLM's online-quant layerwise wrapping of ``layer`` (``initialize_online_processing``): each
+    parameter's ``weight_loader`` back to the one it wrapped, the layer's loading record reset (so neither a load
+    nor ``finalize_layerwise_processing`` processes it). For loads that quantize the layer themselves
+    (``engine.quant_shards`` under ``rank_local``). False when this vLLM has no layerwise machinery."""
+    records = _optional("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO")
+    if records is None:
+        return False
+    for param in layer.parameters(recurse=False):
+        loader = getattr(param, "weight_loader", None)
+        while loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+            loader = loader.__wrapped__
+        if loader is not None:
+            param.weight_loader = loader
+    info = records.get(layer)
+    if info is not None:
+        info.reset()  # load_numel_total back to None: can_load() is False
+    return True
+
+
 def is_deferred_attention_layer() -> Callable[[Any], bool]:
     """vLLM's ``is_deferred_attention_layer(module)`` (attention layers with their own post-load processing);
     on a vLLM without it, a predicate that is always False (no such layers exist there)."""

@@ -137,7 +137,8 @@ def test_options_without_the_flag_and_uncarried_combinations_are_refused(omni):
     with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's --diffusion-load-format diffusers"):
         stage_fields(load_format=FLAG, diffusion_load_format="diffusers")
     with pytest.raises(ValueError, match="cannot be combined with: vllm-omni's quantization 'fp8' with "
-                                         "hsdp_weight_load='rank_local'"):
+                                         "hsdp_weight_load='rank_local' \\(each rank quantizes its own rows, "
+                                         "which needs a method that declares how"):
         stage_fields(load_format=FLAG, quantization="fp8",
                      additional_config={"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})
 

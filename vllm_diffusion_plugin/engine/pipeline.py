@@ -163,6 +163,7 @@ def load_components(
     hsdp: HSDPConfig | None = None,
     lora_specs: Sequence[LoraSpec] = (),
     progress: bool | None = None,
+    quantization=None,
 ) -> LoadedComponents:
     """Load a diffusers checkpoint's components on this rank, ending sharded (HSDP) or on ``device``.
 
@@ -170,7 +171,8 @@ def load_components(
     ``(replicate, shard)`` mesh of the current world; other components are loaded and placed on ``device``.
     ``options.hsdp_weight_load`` picks how the ranks get the weights (``strategies``); every rank of
     the world must call this with the same arguments. ``progress``: progress bars on rank 0 when stderr is a
-    terminal -- True for every step, None only for reads over 1 GiB, False never.
+    terminal -- True for every step, None only for reads over 1 GiB, False never. ``quantization``: a function
+    giving each DiT skeleton its online quant methods (``strategies.LoadContext.quantization``).
     """
     from vllm_diffusion_plugin.engine.hsdp import build_mesh
     from vllm_diffusion_plugin.engine.reader import DeviceStaging
@@ -205,7 +207,8 @@ def load_components(
         context = LoadContext(options=options, device=device, dtype=dtype, report=report, hsdp=hsdp, mesh=mesh,
                               progress=progress if world.rank == 0 else False,
                               staging=DeviceStaging.open(device, max_bytes=options.pinned_staging_mb << 20,
-                                                         threads=options.threads))
+                                                         threads=options.threads),
+                              quantization=quantization)
         if report.strategy == "broadcast":
             context = dataclasses.replace(context, channel=open_channel(options, device))
         step = _LoadStep(context)

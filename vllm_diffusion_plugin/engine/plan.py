@@ -193,20 +193,27 @@ class _Shape:
     lora_file_bytes: int
     """The LoRA files as read (held beside the normalized factors while they are prepared)."""
     lora_largest: int
+    """Bytes of the largest ``B @ A`` delta (final dtype), bounded by the LoRA chunk."""
     lora_targets: int
     """Bytes (final dtypes) of the weights the LoRA fuses into: private copies where they viewed a mapping."""
-    """Bytes of the largest ``B @ A`` delta (final dtype), bounded by the LoRA chunk."""
     largest_file: int
     """The largest checkpoint file's tensor bytes: what a reader's mapping of one file holds at most."""
+    quantized: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
+    """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale):
+    the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``)."""
 
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
-                     options, lora_headers_only: bool = False) -> _Shape:
+                     options, lora_headers_only: bool = False, quantization=None) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.quant_shards import find_layers
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     module = build_component(source, dtype=dtype, device="meta")
+    if is_dit and quantization is not None:
+        quantization(module)
+    layers = find_layers(module) if is_dit and quantization is not None else []
     params = dict(module.named_parameters())
     targets = module.state_dict(keep_vars=True)
     tensors = {}
@@ -216,6 +223,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             tensors[key] = (info.nbytes, t.numel() * t.element_size(), t.shape[0] if t.dim() else 0,
                             key in params and not unshardable(t))
     blocks: tuple[int, ...] = ()
+    names: Sequence[str] = ()
     files = {key: i for i, f in enumerate(source.files) for key in source.keys_in(f)}
     order = {key: (files[key], 0) for key in tensors}
     if is_dit:
@@ -227,6 +235,12 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
         for key in tensors:
             step = next((i for i, n in enumerate(steps) if key.startswith(f"{n}.")), len(steps))
             order[key] = (files[key], step)
+    quantized = {}
+    for layer in layers:
+        step = next((i for i, n in enumerate(names) if layer.module.startswith(f"{n}.")), len(names))
+        rows, numel = layer.shape[0], layer.shape[0] * layer.shape[1]
+        scale = 4 * (1 if layer.per_tensor else rows)
+        quantized[layer.weight] = (numel * layer.method.quantized_dtype.itemsize, scale, step, layer.per_tensor)
     lora_bytes = largest = targets = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
@@ -246,7 +260,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
                 largest = max(largest, weight.numel() * weight.element_size())
                 targets += weight.numel() * weight.element_size()
     return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, targets,
-                  largest_file)
+                  largest_file, quantized)
 
 
 def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) -> int:
@@ -306,24 +320,28 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
         else:
             local_read, local_of[key] = local_read + ckpt, final
     local = sum(local_of.values())
+    # online quantization: held quantized (+ scales); rank_local reads a block's rows into load-dtype transients,
+    # full / broadcast hold the whole load-dtype tensor while its quantized copy is made
+    held_q, quant_rows, quant_whole = _quantized_bytes(shape, local_of, sharded=sharded, rank_local=rank_local)
     if runs == "broadcast":
         bytes_read = whole_read if rank == 0 else 0
     else:
         bytes_read = local_read if rank_local else whole_read
-    held = local if sharded else whole
+    held = (local if sharded else whole) - held_q
     largest = -(-shape.lora_largest // shard_size) if rank_local else shape.lora_largest  # rank_local: its rows
     chunk = min(options.lora_device_chunk_mb * MIB, largest) if shape.lora_bytes else 0
     fuses = shape.lora_bytes and (runs != "broadcast" or rank == 0 or rank_local)
     # the LoRA files beside their normalized factors while preparing, then the factors and one delta chunk
     lora = max(shape.lora_file_bytes + shape.lora_bytes, shape.lora_bytes + chunk) if fuses else 0
     bucket = min(options.hsdp_broadcast_bucket_mb * MIB, whole) if runs == "broadcast" else 0
-    transients = {"lora_device_chunk_mb": chunk if fuses else 0, "hsdp_broadcast_bucket_mb": bucket}
+    transients = {"lora_device_chunk_mb": chunk if fuses else 0, "hsdp_broadcast_bucket_mb": bucket,
+                  "quantization": quant_rows if rank_local else quant_whole}
     transient = max(transients, key=transients.get)
     copies_shards = sharded and not on_device  # FSDP2's local copies beside the whole component, on the host
-    device = held + (chunk if fuses else 0)
+    device = held + (chunk if fuses else 0) + (quant_rows if rank_local else 0)
     held_private, held_mapped = (0 if on_device else held), 0
     if rank_local:
-        host = private = (0 if on_device else local) + lora
+        host = private = (0 if on_device else held + quant_rows) + lora
     elif runs == "broadcast":  # the staging bucket while streaming (rank 0 also maps the file it reads and
         # fuses), then, the bucket released, the local shards copied out of the whole component
         host = whole + max(bucket + (shape.largest_file + lora if rank == 0 else 0),
@@ -341,6 +359,8 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
                       max(lora, _private_shard_peak(shape, local_of) if copies_shards else 0))
         if not sharded and not on_device:  # the module keeps viewing its files
             held_private, held_mapped = whole - mapped + fused, mapped - fused
+    if not rank_local:
+        host, private = host + quant_whole, private + quant_whole
     ring = options.pinned_staging_mb * MIB if on_device else 0  # reader.DeviceStaging's page-locked buffers
     if ring and runs != "broadcast" and not sharded:  # built on the device, filled from the ring: no host copy
         host = private = lora
@@ -353,11 +373,12 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
 def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = None, lora_specs: Sequence = (),
               world_size: int = 1, hsdp=None, dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu",
               host_memory: int | None = None, device_memory: int | None = None,
-              local_world_size: int | None = None, lora_headers_only: bool = False) -> Plan:
+              local_world_size: int | None = None, lora_headers_only: bool = False, quantization=None) -> Plan:
     """Plan a load of ``checkpoint`` over ``world_size`` ranks (``hsdp``: an ``HSDPConfig`` when > 1) for every
     strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons);
     ``local_world_size``: ranks per node (None: all on one); ``lora_headers_only``: the LoRA figures from the
-    files' safetensors headers, not read and checked (the pre-flight: the ranks check them)."""
+    files' safetensors headers, not read and checked (the pre-flight: the ranks check them); ``quantization``: the
+    hook ``pipeline.load_components`` takes (applied to the DiTs' meta skeletons)."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.engine.pipeline import assign_loras
     from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
@@ -371,6 +392,7 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
         shard_size, layout = resolved.shard_size, resolved.mesh_shape
     shapes = [_component_shape(s, is_dit=s.name in transformers, dtype=dtype, options=options,
                                lora_headers_only=lora_headers_only,
+                               quantization=quantization,
                                lora_files=[(str(x.path), x.scale) for x in loras.get(s.name, [])]) for s in sources]
     on_device = device_type != "cpu"
     ranks, unavailable = [], {}
@@ -403,3 +425,20 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
                                   private_peak, private_before + gather, mapped_after))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
                 unavailable, host_memory, device_memory, local_world_size)
+
+
+def _quantized_bytes(shape: _Shape, local_of: dict[str, int], *, sharded: bool, rank_local: bool):
+    """(bytes the quantized weights hold less than their load-dtype copies, rank_local's largest block of transient
+    rows, the largest whole tensor's quantized copy) for one component on one rank, from ``shape.quantized``."""
+    if not shape.quantized:
+        return 0, 0, 0
+    saved, per_block, largest = 0, {}, 0
+    for key, (qbytes, scale, block, per_tensor) in shape.quantized.items():
+        ckpt, final, rows, _ = shape.tensors.get(key, (0, 0, 0, False))
+        if not final:
+            continue
+        mine = local_of[key] if sharded else final  # this rank's rows, load dtype
+        saved += mine - qbytes * mine // final - (scale if per_tensor else scale * mine // final)
+        per_block[block] = per_block.get(block, 0) + mine
+        largest = max(largest, qbytes)
+    return saved, max(per_block.values(), default=0) if rank_local else 0, largest

@@ -3,10 +3,17 @@
 vLLM's own online fp8 methods quantize with ``torch.ops._C.static_scaled_fp8_quant`` (absent from the PyPI
 wheel on CPU) and its MXFP8 method has no CPU kernel. This method keeps their shape and uses vLLM's real
 layerwise machinery, so ``finalize_layerwise_processing`` and the post-load contract are exercised for real.
+It scales per tensor (vLLM's ``Fp8PerTensorOnlineLinearMethod``) or, with ``per_channel=True``, per output row
+(a ``[out, 1]`` scale), and it declares the row protocol of ``engine.quant_shards`` (``scale_granularity``,
+``row_amax``, ``quantize_rows``, ``install_rows``), so ``hsdp_weight_load=rank_local`` can quantize each
+rank's rows with the scale the whole tensor would get. Its own ``process_weights_after_loading`` runs the same
+two functions on the whole tensor, so the two paths share every floating-point operation.
 Imports vLLM: import it only in tests that already need it.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -17,11 +24,23 @@ FP8 = torch.float8_e4m3fn
 
 
 class TorchFp8OnlineMethod(QuantizeMethodBase):
-    """Online per-tensor fp8 in pure torch, shaped like vLLM's ``Fp8PerTensorOnlineLinearMethod``: weights
-    start on ``meta``, vLLM's layerwise loader materializes and processes a layer when its last weight
-    arrives; the result is an fp8 ``.t()`` view plus a scale, and vLLM's "already processed" marker."""
+    """Online fp8 in pure torch, shaped like vLLM's ``Fp8PerTensorOnlineLinearMethod``: weights start on
+    ``meta`` (``create_weights``), vLLM's layerwise loader materializes and processes a layer when its last
+    weight arrives; the result is an fp8 ``.t()`` view plus a scale, and vLLM's "already processed" marker.
+    ``per_channel``: one scale per output row (``weight_scale`` of shape ``[out, 1]``)."""
 
     uses_meta_device = True
+    quantized_dtype = FP8
+
+    def __init__(self, per_channel: bool = False) -> None:
+        super().__init__()
+        self.per_channel = per_channel
+
+    @property
+    def scale_granularity(self) -> str:
+        """``tensor``: one scale from the whole tensor's amax (ranks holding its rows must agree on it);
+        ``channel``: one per output row, from that row alone."""
+        return "channel" if self.per_channel else "tensor"
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, loader) -> None:
         weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
@@ -29,15 +48,134 @@ class TorchFp8OnlineMethod(QuantizeMethodBase):
         layer.register_parameter("weight", weight)
         layerwise.initialize_online_processing(layer)  # vLLM's real loader wrapping
 
+    def row_amax(self, rows: torch.Tensor) -> torch.Tensor:
+        """The statistic the scale comes from, over ``rows`` (``[rows, in]``, the ``[out, in]`` layout), in
+        fp32: a 0-dim amax (``tensor``; the max over several row blocks is the whole tensor's) or ``[rows, 1]``."""
+        if self.per_channel:
+            return rows.abs().amax(dim=1, keepdim=True).float()
+        return rows.abs().amax().float()
+
+    def quantize_rows(self, rows: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fp8 rows, scale)`` of ``rows`` given ``amax`` (``row_amax`` of the whole tensor, or of these rows
+        for ``channel``)."""
+        scale = amax.clamp(min=1e-12) / torch.finfo(FP8).max
+        qrows = (rows / scale).clamp(torch.finfo(FP8).min, torch.finfo(FP8).max).to(FP8)
+        return qrows, scale
+
     def apply(self, layer, x, bias=None):
-        return x @ (layer.weight.float() * layer.weight_scale)
+        weight = layer.weight
+        if getattr(layer, "weight_row_major", False):  # rank_local: the [out, in] storage FSDP2 shards by rows
+            weight = weight.t()
+        scale = layer.weight_scale.t() if self.per_channel else layer.weight_scale  # [out, 1] -> [1, out]
+        out = x @ (weight.float() * scale).to(x.dtype)
+        return out if bias is None else out + bias
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
             return
         weight = layer.weight.detach()
-        scale = weight.abs().amax().float().clamp(min=1e-12) / torch.finfo(FP8).max
-        qweight = (weight / scale).clamp(torch.finfo(FP8).min, torch.finfo(FP8).max).to(FP8)
+        qweight, scale = self.quantize_rows(weight, self.row_amax(weight))
         layer.weight = nn.Parameter(qweight.t(), requires_grad=False)  # column-major, as vLLM's kernels want
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer._already_called_process_weights_after_loading = True
+
+    def install_rows(self, layer: nn.Module) -> None:
+        """After ``rank_local`` filled ``weight`` (``[out, in]`` fp8 rows, sharded) and ``weight_scale``: mark
+        the layout (row-major, as vllm-omni's ``prepare_fp8_layers_for_fsdp`` keeps it) and the layer processed."""
+        layer.weight_row_major = True
+        layer._already_called_process_weights_after_loading = True
+
+
+class OnlineQuantLinear(nn.Linear):
+    """An ``nn.Linear`` of a diffusers DiT given an online quant method (what vLLM's ``quant_config`` does for
+    the layers of the models it builds): the forward goes through ``quant_method.apply``."""
+
+    quant_method: QuantizeMethodBase
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+def attach_online_quant(module: nn.Module, *, per_channel: bool = False,
+                        pattern: str = r"blocks\.\d+\.") -> list[str]:
+    """Give every ``nn.Linear`` of ``module`` whose name matches ``pattern`` a ``TorchFp8OnlineMethod`` (on
+    ``meta`` or real weights alike: the class changes, the parameters stay). Returns the layer names. The
+    ``quantization`` hook of ``pipeline.load_components``."""
+    names = []
+    for name, sub in module.named_modules():
+        if type(sub) is nn.Linear and re.search(pattern, name):
+            sub.__class__ = OnlineQuantLinear
+            sub.quant_method = TorchFp8OnlineMethod(per_channel=per_channel)
+            names.append(name)
+    return names
+
+
+class TorchFp8OnlineLinearMethod(TorchFp8OnlineMethod):
+    """``TorchFp8OnlineMethod`` for vLLM's linear layers (vllm-omni's DiTs): vLLM's ``create_weights`` signature,
+    and a processed weight kept as the row-major ``[out, in]`` storage (what vllm-omni's
+    ``prepare_fp8_layers_for_fsdp`` makes of vLLM's fp8 ``.t()`` weights before FSDP2 shards them)."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        from vllm.model_executor.utils import set_weight_attrs
+
+        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype,
+                                          device="meta"), requires_grad=False)
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra_weight_attrs})
+        layer.register_parameter("weight", weight)
+        layerwise.initialize_online_processing(layer)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        weight = layer.weight.detach()
+        qweight, scale = self.quantize_rows(weight, self.row_amax(weight))
+        layer.weight = nn.Parameter(qweight, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.install_rows(layer)
+
+
+def torch_fp8_config(per_channel: bool = False):
+    """A vLLM ``QuantizationConfig`` giving every linear layer ``TorchFp8OnlineLinearMethod`` (CPU proofs only)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    class TorchFp8Config(QuantizationConfig):
+        """Pure-torch online fp8 for CPU tests: NOT vLLM's fp8 (which has no CPU kernel)."""
+
+        def get_name(self):
+            return "torch_fp8_per_channel" if per_channel else "torch_fp8"
+
+        def get_supported_act_dtypes(self):
+            return [torch.float32, torch.bfloat16, torch.float16]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 0
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def get_quant_method(self, layer, prefix: str):
+            return TorchFp8OnlineLinearMethod(per_channel=per_channel) if isinstance(layer, LinearBase) else None
+
+    return TorchFp8Config()
+
+
+def register_omni_override() -> tuple[str, str]:
+    """Register ``torch_fp8`` / ``torch_fp8_per_channel`` with vllm-omni's own quantization override hook
+    (``vllm_omni.quantization.factory.register_quantization_override``), so ``--quantization torch_fp8`` reaches
+    vllm-omni's DiTs on a CPU host. Labelled as what it is: a test method, not vLLM's fp8."""
+    from vllm_omni.quantization.factory import register_quantization_override
+
+    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
+
+    register_quantization_override("torch_fp8", lambda **_: torch_fp8_config(False))
+    register_quantization_override("torch_fp8_per_channel", lambda **_: torch_fp8_config(True))
+    ROW_WISE_METHODS.update({"torch_fp8", "torch_fp8_per_channel"})
+    return "torch_fp8", "torch_fp8_per_channel"

@@ -144,7 +144,12 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     """Every check that needs no weights; the strategy set on the loader's own copy of ``od_config``."""
     from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
     from vllm_diffusion_plugin.doors.omni.preflight import check_device
-    from vllm_diffusion_plugin.doors.omni.serve_options import check_supported, read_threads, weight_load_strategy
+    from vllm_diffusion_plugin.doors.omni.serve_options import (
+        check_supported,
+        read_threads,
+        refuse_checkpoint_quantization,
+        weight_load_strategy,
+    )
     from vllm_diffusion_plugin.engine.pipeline import World
     from vllm_diffusion_plugin.engine.report import LoadReport, status_memory
 
@@ -157,7 +162,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
         raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
                          f"vllm-omni's --diffusion-load-format {load_format!r} (the diffusers adapter loads "
                          f"itself, dummy weights read nothing) is not carried: drop one of them")
-    _refuse_checkpoint_quantization(loader.quant_config)
+    refuse_checkpoint_quantization(loader.quant_config)
     strategy = weight_load_strategy(options, od_config)
     if strategy != "full" and World.current().world_size == 1:
         logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
@@ -178,19 +183,6 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     state["report"].baseline_rss_bytes = status_memory().get("VmRSS", 0)
     setattr(loader, STATE_ATTR, state)
     return state
-
-
-def _refuse_checkpoint_quantization(quant_config: Any) -> None:
-    if quant_config is None:
-        return
-    name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
-    pre_quantized = getattr(quant_config, "is_checkpoint_quantized", False) or \
-        getattr(quant_config, "is_checkpoint_torchao_serialized", False) or \
-        getattr(quant_config, "data_type", None) == "mx_fp"
-    if str(name).lower() in ("gguf", "torchao") or pre_quantized:
-        raise ValueError(f"--load-format diffusion-hsdp reads unquantized diffusers checkpoints (online "
-                         f"quantization is fine); vllm-omni's quantization {name!r} with a GGUF / torchao / "
-                         f"pre-quantized checkpoint is not carried: serve it without --load-format diffusion-hsdp")
 
 
 def _wrap_load_weights(original):

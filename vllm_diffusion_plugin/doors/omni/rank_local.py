@@ -271,13 +271,10 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     from vllm_omni.diffusion.distributed.hsdp import HSDPInferenceConfig
     from vllm_omni.diffusion.offloader.module_collector import ModuleDiscovery
 
-    from vllm_diffusion_plugin.doors.omni import load_path
+    from vllm_diffusion_plugin.doors.omni import load_path, rank_local_quant
+    from vllm_diffusion_plugin.engine import quant_shards
     from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows, read_bound_rows
 
-    if loader.quant_config is not None:
-        raise ValueError("hsdp_weight_load=rank_local under vllm-omni reads unquantized rows into shards made "
-                         "before any weight exists, so online quantization has nothing to quantize at load; "
-                         "use hsdp_weight_load=full with quantization")
     device = target_device if target_device is not None else torch.device("cpu")
     parallel = loader.parallel_config
     hsdp_config = HSDPInferenceConfig(enabled=True, hsdp_replicate_size=parallel.hsdp_replicate_size,
@@ -289,6 +286,7 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     discovered = ModuleDiscovery.discover(model)
     dits, whole = split_sources(model, sources, discovered.outermost_dits())
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
+    quantized = rank_local_quant.find_layers(modules, dits)  # online quant: refused here unless row-wise
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
     _memory("DiTs released to meta")
     if report is not None:
@@ -306,6 +304,7 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
         check_coverage(dit, modules[dit.component], bindings[dit.component])
     for dit in dits:
         module = modules[dit.component]
+        quant_shards.to_quantized_layout(module, quantized[dit.component], prefix=dit.prefix)
         _shard_on_meta(module, hsdp_config, device)
         with torch.no_grad():
             for name, value in buffers[dit.component].items():
@@ -314,21 +313,33 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for dit in dits:
         start = time.perf_counter()
-        keys, stats = read_bound_rows(dit.source, bindings[dit.component], targets, threads=dit.threads,
-                                      staging=dit.staging(device))
-        dit.report.bytes_read, dit.report.tensors = stats.total_bytes, len(keys)
+        layers, deltas = quantized[dit.component], dit.fuser.deltas if dit.fuser is not None else []
+        into = {layer.weight for layer in layers}
+        plain = [b for b in bindings[dit.component] if b.target not in into]
+        keys, stats = read_bound_rows(dit.source, plain, targets, threads=dit.threads, staging=dit.staging(device))
+        bytes_read, lora = stats.total_bytes, None
+        if layers:
+            deltas, _ = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules, into) \
+                if dit.fuser is not None else ([], [])
+            more, nbytes, lora, _ = rank_local_quant.quantize_dit(dit, modules[dit.component], layers,
+                                                                  bindings[dit.component], targets,
+                                                                  dit.fuser.deltas if dit.fuser else [], device)
+            keys, bytes_read = keys | more, bytes_read + nbytes
+        dit.report.bytes_read, dit.report.tensors = bytes_read, len(keys)
         dit.report.read_s = time.perf_counter() - start
         unbound = sorted(set(dit.source.tensors) - keys)
         if unbound:
             logger.warning("%d checkpoint tensor(s) of %s (%s) go into no parameter of %s and were not read: %s",
                            len(unbound), dit.component, dit.source.folder, type(model).__name__,
                            ", ".join(unbound[:20]))
-        if dit.fuser is not None:
+        if dit.fuser is not None and any(deltas):
             start = time.perf_counter()
-            lora = fuse_bound_rows(targets, bindings[dit.component], dit.fuser.deltas, modules=dit.fuser.modules,
-                                   chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite,
-                                   host_weights=dit.fuser.host_weights)
-            dit.report.record_lora(lora, time.perf_counter() - start)
+            fused = fuse_bound_rows(targets, plain, [d for d in deltas if d], modules=dit.fuser.modules,
+                                    chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite,
+                                    host_weights=dit.fuser.host_weights)
+            dit.report.record_lora(fused if lora is None else lora + fused, time.perf_counter() - start)
+        elif lora is not None:
+            dit.report.record_lora(lora, 0.0)
         _memory(f"{dit.component} read and fused")
     on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)
                and (t.to_local() if isinstance(t, DTensor) else t).is_meta]

@@ -144,10 +144,11 @@ def refusals(options: Any, od_config: Any) -> list[str]:
                         f"for all, or each rank its own rows: pre_sharded alone is our 'rank_local', which fuses "
                         f"LoRAs and loads stacked q/k/v; drop one of the two)")
     quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
-    if strategy == "rank_local" and quantization:
+    if strategy == "rank_local" and quantization and _quant_name(quantization) not in _row_wise_methods():
         problems.append(f"vllm-omni's quantization {_quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
-                        f"(the DiTs are sharded before any weight exists; online quantization needs whole "
-                        f"weights: use 'full')")
+                        f"(each rank quantizes its own rows, which needs a method that declares how -- "
+                        f"engine.quant_shards' row protocol; {_quant_name(quantization)!r} quantizes whole "
+                        f"tensors: use 'full')")
     for name in OFFLOAD_FIELDS:
         if _get(od_config, name, False):
             problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")
@@ -170,6 +171,31 @@ def check_supported(options: Any, od_config: Any) -> None:
     if problems:
         raise ValueError("--load-format diffusion-hsdp under vllm-omni cannot be combined with: "
                          + "; ".join(problems) + ". Drop them or serve without --load-format diffusion-hsdp")
+
+
+def refuse_checkpoint_quantization(quant_config: Any) -> None:
+    """Raise naming vllm-omni's quantization when the checkpoint itself is quantized (GGUF, torchao, serialized
+    FP8 / NVFP4 / MXFP / INT8, ModelOpt mixed): our path reads unquantized diffusers checkpoints."""
+    if quant_config is None:
+        return
+    name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
+    # each config marks a serialized checkpoint with its own flag (is_checkpoint_fp8_serialized,
+    # _nvfp4_, _mxfp8_, _int8_, _torchao_ ...), as vllm-omni's own _disk_marks_serialized reads them
+    flags = sorted(k for k, v in vars(quant_config).items() if k.startswith("is_checkpoint_") and v is True) \
+        if hasattr(quant_config, "__dict__") else []
+    pre_quantized = bool(flags) or getattr(quant_config, "data_type", None) == "mx_fp" or \
+        str(name).lower().startswith(("gguf", "torchao", "modelopt"))
+    if pre_quantized:
+        raise ValueError(f"--load-format diffusion-hsdp reads unquantized diffusers checkpoints (online "
+                         f"quantization is fine); vllm-omni's quantization {name!r} with a GGUF / torchao / "
+                         f"pre-quantized checkpoint ({', '.join(flags) or 'by its method'}) is not carried: serve "
+                         f"it without --load-format diffusion-hsdp")
+
+
+def _row_wise_methods() -> set[str]:
+    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
+
+    return ROW_WISE_METHODS
 
 
 def _quant_name(quantization: Any) -> str:

@@ -344,6 +344,7 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
 
     All ranks must call this for the same sources in the same order. Returns the full module on the host.
     """
+    from vllm_diffusion_plugin.engine.checkpoint import is_transformer
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
@@ -354,6 +355,8 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
     try:
         with report.phase("build"):
             module = build_component(source, dtype=dtype, device="cpu")
+            if context.quantization is not None and is_transformer(source):
+                context.quantization(module)  # every rank quantizes the whole tensors, as with full
             targets = module.state_dict(keep_vars=True)
             keys = [k for f in source.files for k in source.keys_in(f) if k in targets]
             plan = plan_buckets([(k, targets[k].numel(), targets[k].dtype) for k in keys],

@@ -28,6 +28,8 @@ def load_full(source: ComponentSource, *, context: LoadContext,
     staging = context.staging if not (context.mesh is not None and is_transformer(source)) else None
     with report.phase("build"):
         module = build_component(source, dtype=context.dtype, device=context.device if staging else "cpu")
+        if context.quantization is not None and is_transformer(source):
+            context.quantization(module)  # quantized whole by post-load processing, after the LoRA
     with report.phase("read"):
         result = load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
                                   progress=context.progress, map_private=True,  # untouched weights: no copy

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import quant_shards
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource
 from vllm_diffusion_plugin.engine.reader import pread_into
 from vllm_diffusion_plugin.engine.strategies.base import (
@@ -315,20 +316,34 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     with report.phase("build"):
         # parameters on meta in their final dtypes (diffusers' _keep_in_fp32_modules rule); real buffers
         module = build_component(source, dtype=context.dtype, device="meta")
+        if context.quantization is not None:
+            context.quantization(module)
+        layers = quant_shards.find_layers(module)  # online-quantized linears (refused here if not row-wise)
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
         module.to("meta")  # buffers too, so FSDP2 moves nothing; their values are restored after to_empty
     with report.phase("lora"):
         files = normalize_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
     with report.phase("shard"):
+        quant_shards.to_quantized_layout(module, layers)  # fp8 [out, in] weights + scales, sharded by rows
         shard = apply_hsdp(module, mesh=context.mesh, config=context.hsdp, pattern=options.hsdp_block_pattern,
                            allow_meta=True)
         materialize_local_shards(module, device, buffers)
     targets = module.state_dict(keep_vars=True)
     exempt = strict_check_exemptions(module)
-    validate_headers(module, targets, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
+    quantized = {layer.weight: layer for layer in layers}
+    if layers:  # their weights are checked against the dtype full loads them in; only the scales are ours
+        exempt = {n for n in exempt if not n.startswith(tuple(f"{layer.module}." for layer in layers))}
+        exempt |= {layer.scale for layer in layers}
+    checked = {k: (torch.empty((), dtype=quantized[k].dtype).expand(quantized[k].shape) if k in quantized else t)
+               for k, t in targets.items() if k not in exempt or k in source.tensors}
+    validate_headers(module, checked, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
                      origin=origin)  # headers only
+    plain = {k: t for k, t in targets.items() if k not in quantized}
     with report.phase("read"):
-        loaded, stats = _read_local_rows(source, targets, context.progress, context.options.threads, context.staging)
+        loaded, stats = _read_local_rows(source, plain, context.progress, context.options.threads, context.staging)
+    lora = None
+    if layers:
+        loaded, lora = _quantize_rows(module, layers, source, targets, files, loaded, stats, shard, context)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "
@@ -342,12 +357,49 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     if unexpected:
         logger.warning("%d checkpoint key(s) in %s have no place in %s and were skipped: %s", len(unexpected),
                        origin, cls_name, ", ".join(unexpected[:20]))
-    lora = None
-    if files:
+    rest = [{n: d for n, d in f.items() if f"{n}.weight" not in quantized} for f in files]
+    if any(rest):
         with report.phase("lora"):
-            lora = fuse_local_rows(module, files, chunk_mb=options.lora_device_chunk_mb,
-                                   check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
+            fused = fuse_local_rows(module, [f for f in rest if f], chunk_mb=options.lora_device_chunk_mb,
+                                    check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
+            lora = fused if lora is None else lora + fused
     logger.info("Rank-local load of %s: read %d tensors' own rows (%.3f GB of %.3f GB) into local shards on %s%s",
                 origin, len(loaded), stats.total_bytes / 1e9, source.total_bytes / 1e9, device,
                 f"; fused {lora.targets} LoRA targets shard-locally" if lora else "")
     return ComponentLoad(module, bytes_read=stats.total_bytes, tensors=len(loaded), lora=lora, shard=shard)
+
+
+def _quantize_rows(module: nn.Module, layers: Sequence[Any], source: ComponentSource, targets: dict[str, torch.Tensor],
+                   files: Sequence[dict[str, Any]], loaded: set[str], stats: Any, shard: Any, context: LoadContext):
+    """The online-quantized weights, block by block (``quant_shards.quantize_by_block``): this rank's rows read
+    into transients, their LoRA deltas fused there, the rows quantized into the fp8 shards. Adds to ``loaded``
+    and ``stats``; returns (loaded, the LoRA's ``FuseStats`` or None)."""
+    options, report = context.options, context.report
+    modules = [name for name, _ in module.named_modules()]
+    lora = []
+
+    def read(transients: dict[str, torch.Tensor]) -> None:
+        with report.phase("read"):
+            keys, more = read_bound_rows(source, identity_bindings(source.tensors, transients), transients,
+                                         progress=False, threads=options.threads, staging=context.staging)
+        loaded.update(keys)
+        for file, nbytes in more.bytes_per_file.items():
+            stats.bytes_per_file[file] = stats.bytes_per_file.get(file, 0) + nbytes
+        stats.tensors += more.tensors
+
+    def fuse(transients: dict[str, torch.Tensor], members: Sequence[Any]) -> None:
+        names = {layer.module for layer in members}
+        subset = [d for d in ({n: x for n, x in f.items() if n in names} for f in files) if d]
+        if not subset:
+            return
+        rows = {**transients, **{f"{n}.bias": targets[f"{n}.bias"] for n in names if f"{n}.bias" in targets}}
+        with report.phase("lora"):
+            lora.append(fuse_bound_rows(rows, identity_bindings(rows, rows), subset, modules=modules,
+                                        chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
+                                        host_weights=options.lora_host_weights))
+
+    quant_shards.quantize_by_block(module, layers, targets=targets, blocks=shard.blocks, read=read, fuse=fuse)
+    total = None
+    for stats_one in lora:
+        total = stats_one if total is None else total + stats_one
+    return loaded, total

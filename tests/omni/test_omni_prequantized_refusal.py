@@ -1,0 +1,40 @@
+"""Pre-quantized checkpoints stay refused under ``--load-format diffusion-hsdp``, naming vllm-omni's quantization,
+before any weight is read (issue 37: what stays refused is refused by name).
+
+vllm-omni builds these configs from a transformer's ``quantization_config`` (ModelOpt FP8 / FP8 per channel / NVFP4,
+vLLM's serialized ``fp8``); each marks itself with its own ``is_checkpoint_<format>_serialized`` flag. The old check
+looked for ``is_checkpoint_quantized``, which none of them sets: ModelOpt FP8 and NVFP4 checkpoints got through
+to a path that reads unquantized diffusers checkpoints.
+"""
+
+from __future__ import annotations
+
+import pytest
+from omni_support import import_omni
+
+import_omni()  # skips this module where vllm-omni is not installed
+
+
+@pytest.mark.parametrize("spec, name, flag", [
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "modelopt", "fp8"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}, "modelopt", "fp8"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt_fp4", "nvfp4"),
+    ({"quant_method": "fp8", "is_checkpoint_fp8_serialized": True}, "fp8", "fp8"),
+], ids=["modelopt-fp8", "modelopt-fp8-per-channel", "modelopt-nvfp4", "vllm-fp8-serialized"])
+def test_pre_quantized_checkpoint_configs_are_refused_by_name(omni, spec, name, flag):
+    from vllm_omni.quantization import build_quant_config
+
+    from vllm_diffusion_plugin.doors.omni.serve_options import refuse_checkpoint_quantization
+
+    with pytest.raises(ValueError, match=rf"vllm-omni's quantization '{name}' with a .*pre-quantized checkpoint "
+                                         rf"\(is_checkpoint_{flag}_serialized\) is not carried"):
+        refuse_checkpoint_quantization(build_quant_config(spec))
+
+
+def test_online_quantization_is_not_refused(omni):
+    from vllm_omni.quantization import build_quant_config
+
+    from vllm_diffusion_plugin.doors.omni.serve_options import refuse_checkpoint_quantization
+
+    refuse_checkpoint_quantization(build_quant_config("fp8"))  # vLLM's online fp8: the checkpoint is unquantized
+    refuse_checkpoint_quantization(None)

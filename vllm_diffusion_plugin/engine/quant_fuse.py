@@ -1,0 +1,89 @@
+"""Exact LoRA fusion into pre-quantized FP8 weights with scales (issue 37, part 2: the arithmetic; no door loads
+FP8 checkpoints yet).
+
+A ModelOpt / vLLM-serialized FP8 weight is ``q`` (``float8_e4m3fn``, ``[out, in]``) with a scale: one per tensor
+(0-dim) or one per output channel (``[out, 1]``); its value is ``q * scale``. Adding a LoRA delta exactly means
+dequantizing, adding in fp32 and requantizing with a scale recomputed from the fused tensor -- the old scale may
+no longer cover the fused amax, and reusing it would clip:
+
+    w = q.float() * scale + delta           (fp32)
+    scale' = amax(|w|) / 448                (per channel: each row's; per tensor: the whole tensor's)
+    q' = fp8(clamp(w / scale'))
+
+Per channel, a rank's rows carry their own amax. Per tensor, the ranks holding the rows agree on the whole
+tensor's amax with one ``all_reduce(MAX)`` (``agree``), as ``quant_shards`` does for online quantization; the
+result is then bit-identical to fusing the whole tensor in one process, and every element is within one FP8 step
+(at its magnitude, times ``scale'``) of the exact fp32 sum.
+
+What vllm-omni's distill-LoRA loader does to such a parameter (``diffusion/lora/loader.py``:
+``params.add_(delta.to(params.dtype))``) is :func:`storage_unit_add`: the delta rounded to FP8 and added to the
+stored ``q`` with no scale, i.e. as if it were in units of ``scale``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q * scale`` in fp32 (``scale``: 0-dim or ``[rows, 1]``)."""
+    return q.float() * scale.float()
+
+
+def fuse_fp8_rows(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor, *, per_tensor: bool,
+                  agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q', scale')``: ``delta`` (these rows, any float dtype) fused exactly into FP8 rows ``q`` with ``scale``.
+    ``agree(amax)`` (per tensor, sharded rows): the whole tensor's amax from this rank's, e.g. :func:`max_over`."""
+    if tuple(delta.shape) != tuple(q.shape):
+        raise ValueError(f"LoRA delta {tuple(delta.shape)} does not fit the FP8 rows {tuple(q.shape)}")
+    if not per_tensor and tuple(scale.shape) != (q.shape[0], 1):
+        raise ValueError(f"per-channel scale {tuple(scale.shape)} does not fit the FP8 rows {tuple(q.shape)}: "
+                         f"expected ({q.shape[0]}, 1)")
+    if per_tensor and scale.numel() != 1:
+        raise ValueError(f"per-tensor scale has {scale.numel()} elements, expected one")
+    fused = dequantize(q, scale.reshape(()) if per_tensor else scale) + delta.float()
+    if per_tensor:
+        amax = fused.abs().amax() if fused.numel() else torch.zeros((), device=fused.device)
+        if agree is not None:
+            amax = agree(amax)
+    else:
+        amax = fused.abs().amax(dim=1, keepdim=True)
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError("fusing the LoRA into the FP8 weight gave non-finite values; nothing was changed")
+    info = torch.finfo(dtype)
+    new_scale = amax.clamp(min=1e-12) / info.max
+    return (fused / new_scale).clamp(info.min, info.max).to(dtype), new_scale
+
+
+def max_over(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``agree`` for :func:`fuse_fp8_rows`: the max of every rank's amax in ``group`` (one ``all_reduce(MAX)``
+    of 4 bytes)."""
+    import torch.distributed as dist
+
+    def agree(amax: torch.Tensor) -> torch.Tensor:
+        value = amax.detach().float().reshape(1).clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value.reshape(())
+
+    return agree
+
+
+def fp8_step(values: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """The spacing of ``dtype`` at each of ``values`` (FP8 units): the distance to the next representable
+    magnitude (subnormal spacing below the smallest normal)."""
+    info = torch.finfo(dtype)
+    mantissa = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
+    magnitude = values.abs().float().clamp(min=info.smallest_normal)
+    return torch.exp2(torch.floor(torch.log2(magnitude)) - mantissa)
+
+
+def storage_unit_add(q: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """What ``params.add_(delta.to(params.dtype))`` asks of an FP8 parameter, computed where the kernel exists
+    (torch has no FP8 ``add_`` on the CPU): the delta rounded to FP8 and added to the stored values, the sum
+    rounded to FP8 -- no scale anywhere, so the delta counts as ``delta * scale``."""
+    return (q.float() + delta.to(q.dtype).float()).to(q.dtype)
