@@ -148,8 +148,8 @@ class DeviceStaging:
     ones are read, and a buffer is filled again only once the copy that read it completed (its event).
 
     A pageable ``dst.copy_(host)`` runs at a fraction of the link (6.9 vs 54 GB/s on an H200 host) and blocks
-    the reader; here reads, page faults and copies overlap. ``slots`` buffers of ``max_bytes / slots`` each, at
-    most (the bound is what the process pins). Results are bit-identical to a plain copy; a dtype cast (fp32
+    the reader; here the reads and the copies overlap. ``slots`` buffers of ``max_bytes / slots`` each (at least
+    1 MiB each): the bound is what the process pins. Results are bit-identical to a plain copy; a dtype cast (fp32
     checkpoint, bf16 module) happens on the device after the copy, so the link carries the source bytes.
     """
 
