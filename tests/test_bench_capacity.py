@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_capacity as cap  # noqa: E402
+from cgroup_utils import memory_cgroup  # noqa: E402
 
 from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
 
@@ -25,15 +25,8 @@ MiB = 2**20
 @contextlib.contextmanager
 def _limited(limit: int) -> Iterator[cap.MemoryLimit]:
     """A memory cgroup of ``limit`` bytes, removed afterwards; the test is skipped where none can be made."""
-    group = cap.MemoryLimit(limit, f"vllm-diffusion-capacity-test-{os.getpid()}")
-    try:
-        group.__enter__()
-    except OSError as exc:
-        pytest.skip(f"no memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(limit, "capacity-test") as (group, _):
         yield group
-    finally:
-        group.__exit__(None, None, None)
 
 
 def _start_in(group: cap.MemoryLimit, code: str) -> subprocess.Popen:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cgroup_utils import memory_cgroup
 
 from vllm_diffusion_plugin.doors import cli
 
@@ -83,24 +84,12 @@ def test_nothing_readable_is_no_figure(tmp_path):
 def test_a_real_memory_cgroup_is_the_figure_of_a_process_in_it():
     """This project's way to make a group (``bench_capacity.MemoryLimit``, root): a process inside a 1 GiB group
     reads at most 1 GiB available, and its group's path in the figure's source."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_capacity as cap
-
-    from vllm_diffusion_plugin.tools.servers import joining
-
-    group = cap.MemoryLimit(GiB, f"vllm-diffusion-preflight-test-{os.getpid()}")
-    try:
-        group.__enter__()
-    except OSError as exc:
-        pytest.skip(f"no memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(GiB, "preflight-test") as (group, join):
         code = ("from vllm_diffusion_plugin.engine.preflight import host_available as h; m = h(); "
                 "print(m.available, m.source)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                             preexec_fn=joining(group.path), check=True).stdout.split(maxsplit=1)
+                             preexec_fn=join, check=True).stdout.split(maxsplit=1)
         assert 0 < int(out[0]) <= GiB and group.name in out[1], out
-    finally:
-        group.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -123,14 +112,9 @@ def _plan(capsys, *args: str) -> dict:
 def test_cli_refuses_a_load_over_its_cgroup_limit_before_any_rank_reads(sparse_wan):
     """``broadcast`` at 2 ranks holds each DiT whole on both ranks (~5.9 GiB that the kernel cannot drop on this
     node), ``rank_local`` each rank's half (~3.6 GiB). In a memory cgroup between the two (with the ~0.55 GiB of
-    imports each process holds), the load is refused in one line naming the ranks, both figures, ``rank_local`` and the switch
-    that loads anyway, before any rank is spawned: the group never holds a weight (its peak stays far below one
-    DiT) and nothing is OOM-killed. Today's code spawned the ranks, which read until the kernel killed one."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_capacity as cap
-
-    from vllm_diffusion_plugin.tools.servers import joining
-
+    imports each process holds), the load is refused in one line naming the ranks, both figures, ``rank_local``
+    and the switch that loads anyway, before any rank is spawned: the group never holds a weight (its peak stays
+    far below one DiT) and nothing is OOM-killed. Today's code spawned the ranks, which read until the kernel killed one."""
     import torch
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
@@ -142,20 +126,13 @@ def test_cli_refuses_a_load_over_its_cgroup_limit_before_any_rank_reads(sparse_w
     wanted, fitting = (plan.node_host_need(s, first_run=False)[0] for s in ("broadcast", "rank_local"))
     assert wanted > fitting + 2 * GiB, (wanted, fitting)  # the load's figures (the CLI runs no first run)
     limit = int(fitting + 2.75 * GiB)  # the launcher's and the two ranks' imports (~0.55 GiB private each), 1 GiB
-    group = cap.MemoryLimit(limit, f"vllm-diffusion-preflight-cli-{os.getpid()}")
-    try:
-        group.__enter__()
-    except OSError as exc:
-        pytest.skip(f"no memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(limit, "preflight-cli") as (group, join):
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
         started = time.monotonic()
         proc = subprocess.run([*CLI, "load", *args, "--hsdp-weight-load", "broadcast"], capture_output=True,
-                              text=True, timeout=600, env=env, cwd=ROOT, preexec_fn=joining(group.path))
+                              text=True, timeout=600, env=env, cwd=ROOT, preexec_fn=join)
         seconds = time.monotonic() - started
         peak, kills = group.peak(), group.oom_kills()
-    finally:
-        group.__exit__(None, None, None)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("vllm-diffusion: ")]
     assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, kills, proc.stderr[-3000:])
     line = errors[0]

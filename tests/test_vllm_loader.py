@@ -166,12 +166,11 @@ def test_a_load_over_the_hosts_memory_is_refused_before_vllm_allocates_the_model
     never holds it; nothing is OOM-killed). Today's code let vLLM allocate and fill it until the kernel killed
     the process."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import bench_capacity as cap
     import plan_real_size as prs
+    from cgroup_utils import memory_cgroup
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from vllm_diffusion_plugin.tiny.models import TINY_LLAMA
-    from vllm_diffusion_plugin.tools.servers import joining
 
     config = LlamaConfig(**(TINY_LLAMA | dict(vocab_size=256, hidden_size=4096, intermediate_size=11008,
                                                num_hidden_layers=12, num_attention_heads=32,
@@ -188,18 +187,11 @@ def test_a_load_over_the_hosts_memory_is_refused_before_vllm_allocates_the_model
                                                      "load_format": "diffusion-hsdp"}]))
     out = tmp_path / "out"
     out.mkdir()
-    group = cap.MemoryLimit(6 * 2**30, f"vllm-diffusion-preflight-vllm-{os.getpid()}")
-    try:
-        group.__enter__()
-    except OSError as exc:
-        pytest.skip(f"no memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(6 * 2**30, "preflight-vllm") as (group, join):
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
         proc = subprocess.run([sys.executable, str(SCENARIOS), str(tmp_path / "spec.json"), str(out)], env=env,
-                              capture_output=True, text=True, timeout=600, preexec_fn=joining(group.path))
+                              capture_output=True, text=True, timeout=600, preexec_fn=join)
         peak, kills = group.peak(), group.oom_kills()
-    finally:
-        group.__exit__(None, None, None)
     assert proc.returncode == 0 and kills == 0, (proc.returncode, kills, proc.stderr[-3000:])
     result = torch.load(out / "over.pt", weights_only=False)
     assert result.get("error_type") == "PreflightError", result

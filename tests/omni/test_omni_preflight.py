@@ -48,25 +48,15 @@ def sparse_wan(tmp_path_factory) -> Path:
 def _api_server_in(limit: int, args: dict) -> str:
     """vllm-omni's API-server projection of a stage with ``args``, in a fresh process inside a memory cgroup of
     ``limit`` bytes (``bench_capacity.MemoryLimit``); its last line."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import bench_capacity as cap
+    from cgroup_utils import memory_cgroup
 
-    from vllm_diffusion_plugin.tools.servers import joining
-
-    group = cap.MemoryLimit(limit, f"vllm-diffusion-preflight-omni-{os.getpid()}")
-    try:
-        group.__enter__()
-    except OSError as exc:
-        pytest.skip(f"no memory cgroup here: {exc}")
-    try:
+    with memory_cgroup(limit, "preflight-omni") as (group, join):
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
         env.update(VLLM_DIFFUSION_PLUGIN="1", VLLM_DIFFUSION_OMNI_CPU="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, "-c", API_SERVER, json.dumps(args)], capture_output=True, text=True,
-                              timeout=600, env=env, cwd=ROOT, preexec_fn=joining(group.path))
+                              timeout=600, env=env, cwd=ROOT, preexec_fn=join)
         assert group.oom_kills() == 0
-    finally:
-        group.__exit__(None, None, None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 
