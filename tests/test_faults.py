@@ -67,5 +67,8 @@ def test_a_shard_changed_between_its_header_and_its_bytes_is_named_and_nothing_i
     assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, proc.stderr[-3000:])
     shard = sorted((checkpoint / "transformer").glob("*.safetensors"))[0]
     assert f"{shard} changed while the load of transformer read it" in errors[0], errors[0]
-    assert ("truncated" if mode == "truncate" else "replaced by another file") in errors[0], errors[0]
+    # a file renamed over the shard may get the freed inode number back (at 2 ranks each rank replaces it): then
+    # it reads as the same file rewritten -- named and refused all the same
+    words = ("truncated",) if mode == "truncate" else ("replaced by another file", "rewritten in place")
+    assert any(word in errors[0] for word in words), errors[0]
     assert not out.exists() and not list(tmp_path.glob(".fused.partial-*")), list(tmp_path.iterdir())

@@ -240,7 +240,8 @@ def peak_worker(rank: int, world_size: int, dit: str, lora: str, per_channel: bo
 
 
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=True, reason="known gap (issue 37): measured in a rank process, the quantized rank_local "
+@pytest.mark.xfail(strict=False, reason="known gap (issue 37), not strict: on a quiet host the per-channel case "
+                   "sometimes lands within 15% (XPASS seen once); measured in a rank process, the quantized rank_local "
                    "load adds 178-189 MiB where the plan says 147 (17-22% more); the same bf16 load there measures "
                    "+10% over its plan (233 vs 211), and the CLI's own measurement of it is within 15%. The "
                    "quantization-specific remainder (~11-20 MiB: LoRA fusion temporaries per block, allocator reuse "
