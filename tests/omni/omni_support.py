@@ -86,6 +86,17 @@ class OneDitPipeline(nn.Module):
         return {f"transformer.{n}" for n in loaded}
 
 
+def hsdp_world(world_size: int, rank: int) -> None:
+    """vllm-omni's diffusion world over gloo for this rank: ``world_size`` ranks in one HSDP shard group (the ranks of
+    ``dist_utils.run_distributed``); once per process, inside ``set_current_vllm_config``."""
+    from vllm_omni.diffusion.distributed import parallel_state
+
+    if parallel_state._WORLD is None:
+        parallel_state.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
+                                                    distributed_init_method="env://", backend="gloo")
+        parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True, backend="gloo")
+
+
 def build_family_dit(family: str) -> nn.Module:
     """vllm-omni's DiT of ``family`` at its tiny config, float32 (on the CPU, vLLM 0.30's ``SiluAndMul`` needs an
     op the PyPI wheel lacks: ``cpu_ops`` registers it)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_support import captured_logs, import_omni, load_pipeline, tensor_bytes
+from omni_support import captured_logs, hsdp_world, import_omni, load_pipeline, tensor_bytes
 
 from vllm_diffusion_plugin.testing.lora_layouts import write_layout
 from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
@@ -114,16 +114,13 @@ def flux_rank_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
     apply_patches()  # before the names below are imported: they must be the patched ones
     from torch.distributed.tensor import DTensor
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm_omni.diffusion.distributed import parallel_state
 
     from vllm_diffusion_plugin.doors.omni.load_path import component_name
 
     out = {}
     config = VllmConfig()
     with set_current_vllm_config(config):
-        parallel_state.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                                    distributed_init_method="env://", backend="gloo")
-        parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True, backend="gloo")
+        hsdp_world(world_size, rank)
         for strategy in ("full", "rank_local"):
             options = {"lora_path": [f"transformer={lora}"], "hsdp_weight_load": strategy}
             model, loader = load_pipeline(root, "FluxPipeline", config, options, use_hsdp=True,

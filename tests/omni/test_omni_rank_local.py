@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_support import FAMILIES, OneDitPipeline, build_family_dit, import_omni, load_pipeline, tensor_bytes
+from omni_support import (
+    FAMILIES,
+    OneDitPipeline,
+    build_family_dit,
+    hsdp_world,
+    import_omni,
+    load_pipeline,
+    tensor_bytes,
+)
 
 
 import_omni()  # skips this module where vllm-omni is not installed
@@ -33,16 +41,11 @@ DITS = ("transformer", "transformer_2")
 def load_on_rank(rank: int, world_size: int, root: str, high: str, low: str, strategy: str):
     """One rank of a vllm-omni diffusion worker: its parallel state, then ``load_model`` with our flag."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm_omni.diffusion.distributed import parallel_state
 
     options = {"lora_path": [f"transformer={high}", f"transformer_2={low}@0.5"], "hsdp_weight_load": strategy}
     config = VllmConfig()
     with set_current_vllm_config(config):
-        if parallel_state._WORLD is None:
-            parallel_state.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                                        distributed_init_method="env://", backend="gloo")
-            parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True,
-                                                     backend="gloo")
+        hsdp_world(world_size, rank)
         model, loader = load_pipeline(root, "WanPipeline", config, options, use_hsdp=True, hsdp_shard_size=world_size)
     return model, {c.name: c for c in loader._diffusion_hsdp_state["report"].components}
 

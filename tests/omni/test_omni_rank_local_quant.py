@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from omni_support import import_omni, load_pipeline, tensor_bytes
+from omni_support import hsdp_world, import_omni, load_pipeline, tensor_bytes
 
 import_omni()  # skips this module where vllm-omni is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,7 +35,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def quant_rank(rank: int, world_size: int, root: str, high: str, low: str, methods: list[str]) -> dict:
     from torch.distributed.tensor import DTensor
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm_omni.diffusion.distributed import parallel_state
 
     from vllm_diffusion_plugin.doors.omni import apply_patches
     from vllm_diffusion_plugin.testing.online_quant import register_omni_override
@@ -50,11 +49,7 @@ def quant_rank(rank: int, world_size: int, root: str, high: str, low: str, metho
         for strategy in ("full", "rank_local"):
             options = {"lora_path": [f"transformer={high}", f"transformer_2={low}@0.5"], "hsdp_weight_load": strategy}
             with set_current_vllm_config(config):
-                if parallel_state._WORLD is None:
-                    parallel_state.init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                                                distributed_init_method="env://", backend="gloo")
-                    parallel_state.initialize_model_parallel(fully_shard_degree=world_size, use_hsdp=True,
-                                                             backend="gloo")
+                hsdp_world(world_size, rank)
                 model, loader = load_pipeline(root, "WanPipeline", config, options, use_hsdp=True,
                                               hsdp_shard_size=world_size, quantization_config=method)
             reports = {c.name: c for c in loader._diffusion_hsdp_state["report"].components}
