@@ -167,6 +167,18 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return dict(sorted(infos.items(), key=lambda item: item[1].offset))
 
 
+def unchanged_data_start(source, file: Path, keys) -> int:
+    """Where the data of safetensors ``file`` starts, once its header (read again) still describes ``keys`` as
+    ``source`` resolved them; ``CheckpointError`` naming the changed tensors otherwise. For readers that ``pread``
+    tensors at their resolved offsets."""
+    header = read_safetensors_header(file)
+    changed = [k for k in keys if header.get(k) != source.tensors[k]]
+    if changed:
+        raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+    with open(file, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
 def read_pickle_manifest(path: Path) -> dict[str, TensorInfo]:
     """Key -> TensorInfo from a pickle checkpoint via ``torch.load(weights_only=True, mmap=True)``."""
     try:

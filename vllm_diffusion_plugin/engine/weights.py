@@ -191,23 +191,22 @@ class _FileReads:
 
     def _descriptor(self, file: Path) -> tuple[int, int]:
         if file not in self._open:
-            from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+            from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
 
-            header = read_safetensors_header(file)
-            changed = [k for k in self.source.keys_in(file) if header.get(k) != self.source.tensors[k]]
-            if changed:
-                raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
-            fd = os.open(file, os.O_RDONLY)
-            self._open[file] = (fd, 8 + int.from_bytes(os.pread(fd, 8, 0), "little"))
+            data_start = unchanged_data_start(self.source, file, self.source.keys_in(file))
+            self._open[file] = (os.open(file, os.O_RDONLY), data_start)
         return self._open[file]
+
+    def close(self) -> None:
+        for fd, _ in self._open.values():
+            os.close(fd)
+        self._open.clear()
 
     def __enter__(self) -> _FileReads:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for fd, _ in self._open.values():
-            os.close(fd)
-        self._open.clear()
+        self.close()
 
 
 def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
@@ -252,7 +251,7 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
                 bar.update(nbytes)
             yield key, tensor
     finally:
-        reads.__exit__()
+        reads.close()
         if bar is not None:
             bar.close()
 
@@ -440,7 +439,6 @@ class _Checked:
             if problem:
                 raise WeightLoadError(f"cannot load {self.origin}: {problem}")
             yield name, target, tensor
-
 
 
 def _copy_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], assign: bool = False) -> set[str]:

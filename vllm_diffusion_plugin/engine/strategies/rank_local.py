@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -144,15 +143,11 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                     targets: Mapping[str, torch.Tensor], stats: Any, bar: Any, threads: int = 1,
                     staging: Any = None) -> None:
     """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
-    from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
+    from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
     from vllm_diffusion_plugin.engine.reader import StagedCopy, read_ahead
 
-    header = read_safetensors_header(file)
-    changed = [k for k in keys if header.get(k) != source.tensors[k]]
-    if changed:
-        raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+    data_start = unchanged_data_start(source, file, keys)
     with open(file, "rb") as f:
-        data_start = 8 + struct.unpack("<Q", f.read(8))[0]
 
         def rows() -> Iterator[tuple[torch.Tensor, torch.dtype, int]]:  # (destination rows, dtype, file offset)
             for key in keys:
