@@ -111,6 +111,16 @@ class MemoryLimit:
             return int((self.path / name).read_text())
         return None
 
+    def stat(self) -> dict[str, int]:
+        """The group's page cache, private memory, mapped file pages and major faults (``memory.stat``, v1 or v2
+        names), to tell a group short of memory (major faults: pages read again) from one that is not."""
+        names = {"file": "cache", "anon": "rss", "file_mapped": "mapped_file"} if self.v2 else {}
+        with contextlib.suppress(OSError, ValueError):
+            raw = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
+            return {names.get(k, k): int(v) for k, v in raw.items()
+                    if names.get(k, k) in ("cache", "rss", "mapped_file", "pgmajfault")}
+        return {}
+
     def kill_all(self) -> None:
         """SIGKILL every process in the group."""
         for pid in (int(p) for p in (self.path / "cgroup.procs").read_text().split()):
@@ -191,7 +201,7 @@ def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list
                 row["error"] = str(exc).splitlines()[0][:300]
             finally:
                 kills = watch.stop()
-                row |= {"oom_kills": kills, "cgroup_peak": group.peak()}
+                row |= {"oom_kills": kills, "cgroup_peak": group.peak(), "cgroup_stat": group.stat()}
                 if kills:
                     row["status"] = "oom"
     except OSError as exc:
@@ -210,7 +220,9 @@ def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list
 def _workers(run: sv.ServerRun) -> dict[int, dict]:
     """Per worker rank: ``load_start`` (its RSS when vllm-omni's ``load_model`` began, logged by our CPU
     platform), ``baseline`` (ours: our door's ``baseline_rss``; vllm-omni's own
-    load: ``load_start``), load-end and life peaks."""
+    load: ``load_start``), load-end and life peaks; the private and file-backed parts of its RSS at the end of its
+    load (``load_anon`` / ``load_file``) and its largest private RSS over its life (``life_anon``): what a load
+    keeps past its end (buffers, mappings) shows in the first two, the warm-up's own need in the last."""
     text = run.log_text()
     starts = {int(pid): int(rss) for pid, rss in LOAD_START.findall(text)}
     first_byte = {int(r["rank"]): int(r["baseline_rss"]) for r in sv.load_reports(text) if "baseline_rss" in r}
@@ -218,7 +230,8 @@ def _workers(run: sv.ServerRun) -> dict[int, dict]:
     for p in run.workers:
         mark, rank, start = p.at_marks.get("loaded", {}), worker_rank(p.title), starts.get(p.pid)
         out[rank] = {"baseline": first_byte.get(rank, start), "load_start": start, "load_peak": mark.get("peak_rss"),
-                     "life_peak": p.peak_rss}
+                     "life_peak": p.peak_rss, "load_anon": mark.get("rss_anon"), "load_file": mark.get("rss_file"),
+                     "life_anon": p.max_sampled_anon}
     return dict(sorted(out.items()))
 
 
@@ -272,14 +285,16 @@ def table(rows: list[dict], goals: list[dict]) -> str:
         return "-" if v is None else f"{v / GiB:.2f}"
 
     lines = [f"{'server':<42} {'status':<8} {'ready s':>7} {'baseline':>9} {'load peak':>10} {'life peak':>10} "
-             f"{'sum load/life':>14} {'cgroup peak':>11}   (GiB, largest worker)"]
+             f"{'anon load/life':>15} {'file load':>9} {'sum load/life':>14} {'cgroup peak':>11} {'majflt':>7}"
+             f"   (GiB, largest worker)"]
     for r in rows:
         w = list(r.get("workers", {}).values())
         top = max(w, key=lambda x: x["load_peak"] or 0) if w else {}
         sums = (g(sum(x["load_peak"] or 0 for x in w)) + "/" + g(sum(x["life_peak"] or 0 for x in w))) if w else "-"
         lines.append(f"{r['name']:<42} {r['status']:<8} {r.get('ready_s', '-')!s:>7} {g(top.get('baseline')):>9} "
-                     f"{g(top.get('load_peak')):>10} {g(top.get('life_peak')):>10} {sums:>14} "
-                     f"{g(r.get('cgroup_peak')):>11}")
+                     f"{g(top.get('load_peak')):>10} {g(top.get('life_peak')):>10} "
+                     f"{g(top.get('load_anon')) + '/' + g(top.get('life_anon')):>15} {g(top.get('load_file')):>9} "
+                     f"{sums:>14} {g(r.get('cgroup_peak')):>11} {r.get('cgroup_stat', {}).get('pgmajfault', '-')!s:>7}")
     for goal in goals:
         ratio = f"{goal['ratio']:.2f}x " if "ratio" in goal else ""
         lines.append(f"  {goal['goal']}: {ratio}{'PASS' if goal['pass'] else 'FAIL'}"

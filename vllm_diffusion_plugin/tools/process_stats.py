@@ -21,7 +21,9 @@ class ProcessStats:
     """One process of a server's group, as last sampled. ``peak_rss`` is the kernel's high-water mark
     (``VmHWM`` in ``/proc/PID/status``), ``max_sampled_rss`` the largest ``VmRSS`` seen by the sampler;
     ``read_bytes`` / ``rchar`` from ``/proc/PID/io`` (storage reads, which page-cache hits do not count, and
-    bytes through read syscalls, which mmap faults do not count)."""
+    bytes through read syscalls, which mmap faults do not count); ``rss_anon`` / ``rss_file`` the private and
+    file-backed parts of the last sampled ``VmRSS`` (``RssAnon`` / ``RssFile``), ``max_sampled_anon`` the largest
+    ``RssAnon`` seen (what the kernel cannot drop under a memory limit without swap)."""
 
     pid: int
     title: str
@@ -30,14 +32,19 @@ class ProcessStats:
     max_sampled_rss: int = 0
     read_bytes: int = 0
     rchar: int = 0
+    rss_anon: int = 0
+    rss_file: int = 0
+    max_sampled_anon: int = 0
     at_marks: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Label -> this process's ``peak_rss`` / ``rss`` (VmRSS then) / ``read_bytes`` sampled right after its log line
+    """Label -> this process's ``peak_rss`` / ``rss`` (VmRSS then; ``rss_anon`` / ``rss_file`` its parts) /
+    ``read_bytes`` sampled right after its log line
     with that mark
     (:class:`GroupSampler` ``marks``; e.g. the end of its load phase, before the warm-up run)."""
 
     def as_dict(self) -> dict:
         return {"pid": self.pid, "title": self.title, "role": self.role, "peak_rss": self.peak_rss,
                 "max_sampled_rss": self.max_sampled_rss, "read_bytes": self.read_bytes, "rchar": self.rchar,
+                "rss_anon": self.rss_anon, "rss_file": self.rss_file, "max_sampled_anon": self.max_sampled_anon,
                 "at_marks": self.at_marks}
 
 
@@ -74,7 +81,8 @@ def read_process(pid: int, proc: Path = Path("/proc")) -> ProcessStats | None:
     title = title or status.get("Name", "").strip()
     return ProcessStats(pid=pid, title=title, role=role_of(title), peak_rss=kib("VmHWM"),
                         max_sampled_rss=kib("VmRSS"), read_bytes=int(io.get("read_bytes", 0)),
-                        rchar=int(io.get("rchar", 0)))
+                        rchar=int(io.get("rchar", 0)), rss_anon=kib("RssAnon"), rss_file=kib("RssFile"),
+                        max_sampled_anon=kib("RssAnon"))
 
 
 _LOG_PID = re.compile(r"\(\w+ pid=(\d+)\)")
@@ -130,6 +138,7 @@ class GroupSampler(threading.Thread):
                 if old is not None:
                     now.peak_rss = max(now.peak_rss, old.peak_rss)
                     now.max_sampled_rss = max(now.max_sampled_rss, old.max_sampled_rss)
+                    now.max_sampled_anon = max(now.max_sampled_anon, old.max_sampled_anon)
                     now.read_bytes, now.rchar = max(now.read_bytes, old.read_bytes), max(now.rchar, old.rchar)
                     now.at_marks = old.at_marks
                 self.seen[pid] = now
@@ -139,6 +148,7 @@ class GroupSampler(threading.Thread):
                 if pid in self.seen and label not in self.seen[pid].at_marks:
                     stats = self.seen[pid]
                     stats.at_marks[label] = {"peak_rss": stats.peak_rss, "rss": self._rss.get(pid, 0),
+                                             "rss_anon": stats.rss_anon, "rss_file": stats.rss_file,
                                              "read_bytes": stats.read_bytes}
 
     def run(self) -> None:
