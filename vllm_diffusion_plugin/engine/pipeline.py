@@ -174,6 +174,7 @@ def load_components(
     terminal -- True for every step, None only for reads over 1 GiB, False never. ``quantization``: a function
     giving each DiT skeleton its online quant methods (``strategies.LoadContext.quantization``).
     """
+    from vllm_diffusion_plugin.engine import pressure
     from vllm_diffusion_plugin.engine.hsdp import build_mesh
     from vllm_diffusion_plugin.engine.reader import DeviceStaging
     from vllm_diffusion_plugin.engine.skeleton import component_class
@@ -194,7 +195,7 @@ def load_components(
         for source in sources:
             component_class(source)
     report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
-    with report.phase("total"):
+    with report.phase("total"), pressure.watching(f"rank {world.rank}'s load of {checkpoint}"):
         transformers = [s.name for s in sources if is_transformer(s)]
         loras = assign_loras(lora_specs, transformers) if lora_specs else {}
         report.strategy = check_strategy(options.hsdp_weight_load, sources=sources, world_size=world.world_size,

@@ -158,6 +158,9 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     options = dataclasses.replace(options, read_threads=read_threads(options, od_config))
     check_supported(options, od_config)
     check_device(options, od_config)  # this rank's accelerator, before vllm-omni builds anything
+    from vllm_diffusion_plugin.engine.pressure import watch_process
+
+    watch_process(f"diffusion worker {World.current().rank}'s load and first run")  # the worker's life
     if load_format not in CARRIED_PIPELINE_FORMATS:
         raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
                          f"vllm-omni's --diffusion-load-format {load_format!r} (the diffusers adapter loads "
