@@ -28,7 +28,8 @@ life (the warm-up's FSDP all-gathers and activations included), the sums over wo
 For ``ours`` also the plan (``engine.plan.plan_load`` for the same folder, LoRAs and S: the CLI's ``rank_local``,
 which binds q/k/v one by one where vllm-omni stacks them) against the measured load peak above the baseline.
 Goals (ratios in one run): under the limit ours serves and vllm-omni's own loads do not; at every S ours' load
-peak per worker <= baseline + 1.15 x DiT bytes / S; plan within 15%.
+peak per worker <= baseline + 1.15 x DiT bytes / S; plan within 15% (the load's peak against the load peak, the first
+run's against the life peak).
 
     python benchmarks/bench_capacity.py --out-dir /tmp/bench-capacity [--runs limit,scaling] [--blocks 6]
         [--shard-size 2] [--limit-gib 19.5] [--scaling-blocks 1] [--scaling-sizes 1,2,4] [--json] [--plot PNG]
@@ -236,8 +237,9 @@ def _workers(run: sv.ServerRun) -> dict[int, dict]:
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
-def planned(pipeline: Path, loras: list[Path], size: int) -> dict[int, int]:
-    """Host peak per rank that ``plan`` gives our rank_local load of this folder at S = ``size``."""
+def planned(pipeline: Path, loras: list[Path], size: int, *, first_run: bool = False) -> dict[int, int]:
+    """Host peak per rank that ``plan`` gives our rank_local load of this folder at S = ``size`` (``first_run``: its
+    first run's peak, the server's warm-up, instead)."""
     import torch
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
@@ -249,11 +251,12 @@ def planned(pipeline: Path, loras: list[Path], size: int) -> dict[int, int]:
                      world_size=size, hsdp=HSDPConfig(replicate_size=1, shard_size=size) if size > 1 else None,
                      dtype=torch.bfloat16, device_type="cpu")
     strategy = "rank_local" if size > 1 else "full"
-    return {r.rank: r.host_peak for r in plan.ranks if r.strategy == strategy}
+    return {r.rank: r.first_run_peak if first_run else r.host_peak for r in plan.ranks if r.strategy == strategy}
 
 
 # ---- judging and printing ---------------------------------------------------------------------------------
-def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], dict[int, int]]) -> list[dict]:
+def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], dict[int, int]],
+          first_runs: dict[tuple[int, int], dict[int, int]] | None = None) -> list[dict]:
     goals = []
     limited = [r for r in rows if r["run"] == "limit"]
     if limited:
@@ -277,6 +280,11 @@ def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], di
             if plan:
                 goals.append({"goal": f"{r['name']} rank {rank}: plan within 15% of the measured load peak",
                               "ratio": plan / added, "pass": abs(plan - added) <= 0.15 * added})
+            first = (first_runs or {}).get((r["blocks"], r["S"]), {}).get(rank)
+            if first and w.get("life_peak") and r["S"] > 1:  # the warm-up's FSDP all-gathers (issue 39)
+                lived = w["life_peak"] - w["baseline"]
+                goals.append({"goal": f"{r['name']} rank {rank}: plan's first run within 15% of the life peak",
+                              "ratio": first / lived, "pass": abs(first - lived) <= 0.15 * lived})
     return goals
 
 
@@ -335,13 +343,15 @@ def main(argv: list[str] | None = None) -> int:
     folders = {b: build(args.out_dir, blocks=b) for b in sorted({p[3] for p in plan})}
     dit = {b: _dit_bytes(folder) for b, (folder, _) in folders.items()}
     plans = {(b, n): planned(*folders[b], n) for _, s, n, b, _ in plan if s == "ours"}
+    first_runs = {(b, n): planned(*folders[b], n, first_run=True) for _, s, n, b, _ in plan if s == "ours"}
     logs, rows, t0 = args.out_dir / "logs" / time.strftime("%Y%m%d-%H%M%S"), [], time.monotonic()
     for run, setting, size, blocks, limit in plan:
         pipeline, loras = folders[blocks]
         row = one_server(setting, size, blocks, pipeline, loras, limit=limit, logs=logs, timeout_s=args.timeout,
                          env=dict(item.split("=", 1) for item in args.server_env))
-        rows.append(row | {"run": run, "planned_host_peak": plans.get((blocks, size)) if setting == "ours" else None})
-    goals = judge(rows, dit, plans)
+        rows.append(row | {"run": run, "planned_host_peak": plans.get((blocks, size)) if setting == "ours" else None,
+                           "planned_first_run": first_runs.get((blocks, size)) if setting == "ours" else None})
+    goals = judge(rows, dit, plans, first_runs)
     result = {"host_bytes": host, "dit_bytes": dit, "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
               "goals": goals,
               "rss_method": "VmHWM / VmRSS of each worker sampled every 0.2 s; baseline: ours from our door's "
