@@ -33,8 +33,9 @@ def omni() -> types.SimpleNamespace:
     lora_mod = importlib.import_module("vllm_omni.diffusion.lora.loader")
     importlib.import_module("vllm_omni.config.omni_config")
     importlib.import_module("vllm_omni.config.config_factory")
+    importlib.import_module("vllm_omni.diffusion.executor.multiproc_executor")
     status = patch_status()
-    units = ("load-format", "postprocess", "lora-device", "load-path", "serve-flag", "default-stage")
+    units = ("load-format", "postprocess", "lora-device", "load-path", "serve-flag", "default-stage", "worker-death")
     assert {name: status.get(name) for name in units} == dict.fromkeys(units, "applied"), status
     return types.SimpleNamespace(version=vllm_omni.__version__, loader_mod=loader_mod, lora_mod=lora_mod,
                                  Loader=loader_mod.DiffusersPipelineLoader)

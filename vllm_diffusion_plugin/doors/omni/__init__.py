@@ -18,7 +18,9 @@ Units (one module each, documented there: why, how, versions, when to remove):
 - ``patch_serve_flag``: ``vllm serve --omni --load-format diffusion-hsdp`` carried from the stage's load config
   (dropped by vllm-omni) to the workers, options validated in the API server before any worker starts;
 - ``patch_default_stage``: the flag kept in the generic diffusion stage vllm-omni builds for a pipeline without
-  a deploy YAML (FLUX.1, ...), whose engine arguments otherwise lose ``load_format``.
+  a deploy YAML (FLUX.1, ...), whose engine arguments otherwise lose ``load_format``;
+- ``patch_worker_death``: a diffusion worker that dies while the workers start (its load, the warm-up) is named in
+  the server's error with how it died (a signal: the cause) before the peers that failed after it.
 
 ``load-format``, ``postprocess``, ``load-path``, ``serve-flag`` and ``default-stage`` are required by the flag:
 when one of them does not recognize the installed vllm-omni and ``--load-format diffusion-hsdp`` is on the command
@@ -31,7 +33,7 @@ import importlib.util
 import sys
 
 PATCH_UNITS = ("patch_load_format", "patch_postprocess", "patch_lora_device", "patch_load_path", "patch_serve_flag",
-               "patch_default_stage")
+               "patch_default_stage", "patch_worker_death")
 
 
 def apply_patches() -> None:

@@ -1,0 +1,126 @@
+"""Patch: a diffusion worker that dies while the workers start up is named, with how it died, in the server's error.
+
+Why. vllm-omni's ``MultiprocDiffusionExecutor._launch_workers`` waits for each worker's "ready" in rank order; when
+a worker's pipe closes it logs ``Rank {i} scheduler is dead``, the exit code of that rank alone, and re-raises a
+bare ``EOFError``: the server ends with ``Orchestrator initialization failed:`` and nothing after it. When one worker
+is killed (the kernel's OOM killer, ``kill -9``) while its peers wait on it in a collective (a broadcast of the
+weights, an all-gather), a peer fails next with ``Connection closed by peer`` and exits 1 -- and if that peer has
+the lower rank, the line names it: seen at 2 ranks with ``broadcast``, rank 1 SIGKILLed, the log said "Rank 0
+scheduler is dead ... Exit code: 1". The cause is lost.
+
+How. Every ``DiffusionWorker-N`` process started in this process is remembered (``BaseProcess.start`` wrapped, for
+those names only). ``_launch_workers`` is wrapped: when it raises, the workers that have exited (after up to
+``SETTLE_S`` for the rest of a failing group to end) are described -- killed by a signal first (the cause: what the
+signal usually means), then those that exited with an error code (their own errors are in the log above) -- in one
+line, logged and raised as a ``RuntimeError`` from the original error, so the server's last line reads
+``Orchestrator initialization failed: diffusion worker rank 1 died of SIGKILL (...)``. Nothing changes when the
+workers start.
+
+Versions. Recognized shape: ``MultiprocDiffusionExecutor._launch_workers(self, broadcast_handle, wake_events)``
+starting ``multiprocessing.Process(name=f"DiffusionWorker-{i}")`` (0.30.0, 0.31.0rc1, 0.32.0rc1).
+Unrecognized: skipped with a warning (vllm-omni's own message is kept).
+
+Remove when vllm-omni names a dead worker's signal and the first worker to die.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing.process
+import re
+import signal
+import time
+import weakref
+from typing import Any
+
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
+
+logger = init_logger(__name__)
+
+NAME = "worker-death"
+TARGET = "vllm_omni.diffusion.executor.multiproc_executor"
+WORKER_NAME = re.compile(r"DiffusionWorker-(\d+)$")
+SETTLE_S = 5.0
+"""Seconds for the rest of a failing group to end before the dead are described."""
+SIGNAL_CAUSES = {
+    signal.SIGKILL: "out of memory -- the kernel's OOM killer, see dmesg -- or killed from outside",
+    signal.SIGBUS: "an I/O error under a mapped file, or a file truncated under its mapping",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGABRT: "aborted by native code",
+    signal.SIGTERM: "terminated from outside",
+}
+
+_workers: "weakref.WeakValueDictionary[int, multiprocessing.process.BaseProcess]" = weakref.WeakValueDictionary()
+"""Rank -> the last ``DiffusionWorker-<rank>`` process started in this process."""
+
+
+def apply(module: Any) -> str:
+    executor = require_attr(module, "MultiprocDiffusionExecutor", module.__name__)
+    original = require_attr(executor, "_launch_workers", f"{module.__name__}.MultiprocDiffusionExecutor")
+    if is_patched(original):
+        return "already applied"
+    require_params(original, ("self", "broadcast_handle", "wake_events"),
+                   f"{module.__name__}.MultiprocDiffusionExecutor._launch_workers")
+    _remember_workers()
+    executor._launch_workers = mark(_wrap(original), unit=NAME, original=original)
+    return "applied"
+
+
+def _remember_workers() -> None:
+    start = multiprocessing.process.BaseProcess.start
+    if is_patched(start):
+        return
+
+    @functools.wraps(start)
+    def remembering_start(self):
+        start(self)
+        if match := WORKER_NAME.match(self.name or ""):
+            _workers[int(match[1])] = self
+
+    multiprocessing.process.BaseProcess.start = mark(remembering_start, unit=NAME, original=start)
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def _launch_workers(self, broadcast_handle, wake_events, *args, **kwargs):
+        try:
+            return original(self, broadcast_handle, wake_events, *args, **kwargs)
+        except Exception as exc:
+            line = describe_dead()
+            if line is None:
+                raise
+            logger.error("%s", line)
+            raise RuntimeError(line) from exc
+
+    return _launch_workers
+
+
+def describe_dead(settle_s: float = SETTLE_S) -> str | None:
+    """One line naming the remembered workers (this process starts one group) that have exited, once all ended or
+    ``settle_s`` passed (a peer fails a moment after the worker it waited on): killed by a signal first (the
+    cause), then those that exited with a code; None when none has."""
+    procs = dict(sorted(_workers.items()))
+    deadline = time.monotonic() + settle_s
+    while any(p.exitcode is None for p in procs.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    killed = [(rank, -p.exitcode) for rank, p in procs.items() if p.exitcode is not None and p.exitcode < 0]
+    failed = [(rank, p.exitcode) for rank, p in procs.items() if p.exitcode is not None and p.exitcode > 0]
+    if not killed and not failed:
+        return None
+    parts = [f"diffusion worker rank {rank} died of {signal_words(signum)}" for rank, signum in killed]
+    then = [f"rank {rank} exited with code {code}" for rank, code in failed]
+    if parts and then:
+        parts.append("then " + ", ".join(then) + " (its error above is the echo)")
+    elif then:
+        parts = [f"diffusion worker {', '.join(then)} (its error is above)"]
+    return "; ".join(parts) + " -- while the workers started (their load or the first run)"
+
+
+def signal_words(signum: int) -> str:
+    """``SIGKILL (out of memory ...)``: a signal's name and what a worker's death by it usually means."""
+    try:
+        sig = signal.Signals(signum)
+    except ValueError:
+        return f"signal {signum}"
+    return f"{sig.name} ({SIGNAL_CAUSES[sig]})" if sig in SIGNAL_CAUSES else sig.name
