@@ -17,7 +17,7 @@ import re
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import layerwise
 
 FP8 = torch.float8_e4m3fn
@@ -135,36 +135,42 @@ class TorchFp8OnlineLinearMethod(TorchFp8OnlineMethod):
         self.install_rows(layer)
 
 
-def torch_fp8_config(per_channel: bool = False):
+class TorchFp8Config(QuantizationConfig):
+    """Pure-torch online fp8 for CPU proofs: NOT vLLM's fp8 (which has no CPU kernel). Every linear layer gets
+    ``TorchFp8OnlineLinearMethod``. A module-level class: vllm-omni pickles the stage's quantization config to its
+    workers."""
+
+    def __init__(self, per_channel: bool = False) -> None:
+        super().__init__()
+        self.per_channel = per_channel
+
+    def get_name(self):
+        return "torch_fp8_per_channel" if self.per_channel else "torch_fp8"
+
+    def get_supported_act_dtypes(self):
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+    def get_quant_method(self, layer, prefix: str):
+        from vllm.model_executor.layers.linear import LinearBase
+
+        return TorchFp8OnlineLinearMethod(per_channel=self.per_channel) if isinstance(layer, LinearBase) else None
+
+
+def torch_fp8_config(per_channel: bool = False) -> TorchFp8Config:
     """A vLLM ``QuantizationConfig`` giving every linear layer ``TorchFp8OnlineLinearMethod`` (CPU proofs only)."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-
-    class TorchFp8Config(QuantizationConfig):
-        """Pure-torch online fp8 for CPU tests: NOT vLLM's fp8 (which has no CPU kernel)."""
-
-        def get_name(self):
-            return "torch_fp8_per_channel" if per_channel else "torch_fp8"
-
-        def get_supported_act_dtypes(self):
-            return [torch.float32, torch.bfloat16, torch.float16]
-
-        @classmethod
-        def get_min_capability(cls) -> int:
-            return 0
-
-        @staticmethod
-        def get_config_filenames() -> list[str]:
-            return []
-
-        @classmethod
-        def from_config(cls, config):
-            return cls()
-
-        def get_quant_method(self, layer, prefix: str):
-            return TorchFp8OnlineLinearMethod(per_channel=per_channel) if isinstance(layer, LinearBase) else None
-
-    return TorchFp8Config()
+    return TorchFp8Config(per_channel)
 
 
 def register_omni_override() -> tuple[str, str]:
