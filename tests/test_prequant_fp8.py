@@ -1,0 +1,315 @@
+"""Pre-quantized FP8 checkpoints in diffusers layout (issue 37, part 2) through the engine every door uses.
+
+Each checkpoint is a tiny Wan2.2 or Qwen-Image pipeline written by diffusers (``save_pretrained``, sharded with an
+index), then quantized here as ModelOpt / vLLM write them, with safetensors itself: every linear of the blocks but
+one (ModelOpt's ``exclude_modules``: it stays in the load dtype) becomes a ``float8_e4m3fn`` ``[out, in]`` weight
+with an fp32 ``weight_scale`` -- 0-dim for ModelOpt ``FP8`` (plus a static 0-dim ``input_scale``) and vLLM's
+serialized ``fp8``, ``[out]`` for ModelOpt ``FP8_PER_CHANNEL_PER_TOKEN`` -- and ``config.json`` gets the
+``quantization_config`` vllm-omni reads.
+
+What must hold: the FP8 bytes and scales land as they are in the FP8 layers online quantization ends with (nothing
+dequantized and kept); ``rank_local`` reads ~1/S of the checkpoint per rank (<= 1.05x) and its shards are
+bit-identical to ``full``'s rows, as are ``broadcast``'s; a LoRA is fused exactly (dequantize, add in fp32,
+requantize; per-tensor scales agreed by ``all_reduce(MAX)``): every element within one FP8 step of the whole tensor
+fused in one process; ``plan`` says the bytes read and held; everything else pre-quantized is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+FP8 = torch.float8_e4m3fn
+FORMATS = {  # name -> (quantization_config, per channel, input_scale)
+    "modelopt-fp8": ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["*ffn.net.2*",
+                                                                                           "*img_mlp.net.2*"]},
+                     False, True),
+    "modelopt-fp8-per-channel": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
+                                  "exclude_modules": ["*ffn.net.2*", "*img_mlp.net.2*"]}, True, False),
+    "vllm-fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, False, False),
+}
+EXCLUDED = ("ffn.net.2", "img_mlp.net.2")
+LORA_TARGETS = {"wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+                "qwen-image": ("to_q", "to_k", "add_k_proj", "img_mlp.net.0.proj", "img_mlp.net.2")}
+
+
+def fp8_linears(kind: str) -> list[str]:
+    from vllm_diffusion_plugin.tiny.models import build_tiny_model
+
+    return [name for name, m in build_tiny_model(kind).named_modules() if isinstance(m, torch.nn.Linear)
+            and "blocks." in name and not name.endswith(EXCLUDED)]
+
+
+def quantize_folder(folder: Path, kind: str, fmt: str, **extra_config) -> list[str]:
+    """Rewrite a diffusers component folder as a pre-quantized one, shard by shard, with safetensors."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config, per_channel, input_scale = FORMATS[fmt]
+    linears = set(fp8_linears(kind))
+    index_path = folder / "diffusion_pytorch_model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        for key in [k for k in tensors if k.removesuffix(".weight") in linears and k.endswith(".weight")]:
+            w = tensors[key].float()
+            amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
+            scale = (amax / torch.finfo(FP8).max).float()
+            tensors[key] = (w / (scale[:, None] if per_channel else scale)).to(FP8)
+            name = key.removesuffix(".weight")
+            tensors[f"{name}.weight_scale"] = scale
+            index["weight_map"][f"{name}.weight_scale"] = shard.name
+            if input_scale:
+                tensors[f"{name}.input_scale"] = torch.tensor(0.05)
+                index["weight_map"][f"{name}.input_scale"] = shard.name
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {**config, **extra_config}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return sorted(linears)
+
+
+def write_fp8_pipeline(root: Path, kind: str, fmt: str) -> Path:
+    from vllm_diffusion_plugin.tiny.models import PIPELINES, write_tiny_pipeline
+
+    write_tiny_pipeline(root, kind, dtype=torch.bfloat16)
+    for component in PIPELINES[kind][2]:
+        quantize_folder(root / component, kind, fmt)
+    return root
+
+
+def write_lora(path: Path, kind: str) -> Path:
+    from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
+
+    return write_tiny_lora(path, build_tiny_model(kind), seed=4, targets=LORA_TARGETS[kind])
+
+
+@pytest.fixture(scope="module", params=[("wan", f) for f in FORMATS] + [("qwen-image", "modelopt-fp8"),
+                                                                          ("qwen-image", "modelopt-fp8-per-channel")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def fp8_pipeline(request, tmp_path_factory) -> tuple[str, str, str, str]:
+    kind, fmt = request.param
+    root = write_fp8_pipeline(tmp_path_factory.mktemp(f"{kind}-{fmt}"), kind, fmt)
+    return kind, fmt, str(root), str(write_lora(root.parent / "lora.safetensors", kind))
+
+
+def _file_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+# ---- one process: the FP8 bytes as they are, forward equal to the dequantized model ---------------------------
+def test_one_process_reads_the_fp8_bytes_and_scales_as_they_are(fp8_pipeline):
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear
+    from vllm_diffusion_plugin.engine.pipeline import load_components
+
+    kind, fmt, root, _ = fp8_pipeline
+    loaded = load_components(root, options=LoadOptions(), device=torch.device("cpu"), dtype=torch.bfloat16)
+    for name, module in loaded.modules.items():
+        stored = _file_tensors(Path(root) / name)
+        fp8 = {n for n, m in module.named_modules() if isinstance(m, Fp8Linear)}
+        assert fp8 == set(fp8_linears(kind)), (name, sorted(fp8 ^ set(fp8_linears(kind)))[:5])
+        state = module.state_dict()
+        assert set(state) == set(stored), sorted(set(state) ^ set(stored))[:5]
+        for key, value in stored.items():
+            assert state[key].dtype == value.dtype and torch.equal(_bits(state[key]), _bits(value)), key
+        assert all(not n.endswith(EXCLUDED) or m.weight.dtype == torch.bfloat16 for n, m in module.named_modules()
+                   if isinstance(m, torch.nn.Linear))
+        assert loaded.report.components[0].bytes_read == sum(v.numel() * v.element_size() for v in
+                                                             _file_tensors(Path(root) / loaded.report.components[0]
+                                                                           .name).values())
+
+
+def test_the_fp8_layers_forward_is_the_dequantized_models(tmp_path):
+    """Wan2.2: our FP8 DiT's forward against diffusers' own model holding the dequantized weights."""
+    import diffusers
+
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.quant_fuse import dequantize
+
+    root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8-per-channel")
+    ours = load_components(root, options=LoadOptions(), components=["transformer"], device=torch.device("cpu"),
+                           dtype=torch.float32).modules["transformer"]
+    stored = _file_tensors(root / "transformer")
+    config = {k: v for k, v in json.loads((root / "transformer" / "config.json").read_text()).items()
+              if not k.startswith("_") and k != "quantization_config"}
+    reference = diffusers.WanTransformer3DModel(**config).eval()
+    state = {k: v.float() for k, v in stored.items() if not k.endswith("_scale")}
+    for key in [k for k in stored if k.endswith(".weight_scale")]:
+        weight = key.replace("weight_scale", "weight")
+        state[weight] = dequantize(stored[weight], stored[key].reshape(-1, 1))
+    reference.load_state_dict(state)
+    gen = torch.Generator().manual_seed(7)
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 4, 4, generator=gen), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 8, 16, generator=gen), return_dict=False)
+    with torch.no_grad():
+        assert torch.allclose(ours(**inputs)[0], reference(**inputs)[0], atol=1e-5, rtol=1e-5)
+
+
+# ---- refused by name, before any weight byte is read ---------------------------------------------------------
+@pytest.mark.parametrize("config, extra_key, match", [
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, None, r"ModelOpt NVFP4 checkpoint"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, None, r"ModelOpt mixed precision checkpoint"),
+    ({"quant_method": "gguf", "compute_dtype": "bfloat16"}, None, r"quantization method 'gguf'"),
+    ({"quant_method": "torchao", "quant_type": "float8wo"}, None, r"quantization method 'torchao'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, None, r"block-wise FP8 \(weight_block_size"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "pre_quant_scale", r"pre_quant_scale \(AWQ"),
+    (None, None, r"FP8 tensors .* but no quantization config"),
+], ids=["nvfp4", "mixed", "gguf", "torchao", "block-fp8", "pre_quant_scale", "fp8-without-config"])
+def test_what_stays_refused_is_refused_by_name_before_any_read(tmp_path, monkeypatch, config, extra_key, match):
+    from safetensors.torch import save_file
+
+    from vllm_diffusion_plugin.engine import weights
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.prequant import PreQuantError
+
+    root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
+    folder = root / "transformer"
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("quantization_config")
+    if config is not None:
+        cfg["quantization_config"] = config
+    (folder / "config.json").write_text(json.dumps(cfg))
+    if extra_key:
+        shard = sorted(folder.glob("*.safetensors"))[0]
+        save_file({"blocks.0.attn1.to_q.pre_quant_scale": torch.ones(24)}, str(folder / "extra.safetensors"))
+        index = json.loads((folder / "diffusion_pytorch_model.safetensors.index.json").read_text())
+        index["weight_map"]["blocks.0.attn1.to_q.pre_quant_scale"] = "extra.safetensors"
+        (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
+        assert shard.exists()
+    monkeypatch.setattr(weights, "iterate_weights", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(PreQuantError, match=match) as caught:
+        load_components(root, options=LoadOptions(), device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert "\n" not in str(caught.value) and "transformer" in str(caught.value)
+
+
+# ---- 2 gloo ranks: full, broadcast and rank_local with a LoRA --------------------------------------------------
+def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.plan import plan_load
+    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
+
+    out = {}
+    specs = [LoraSpec(Path(lora))]
+    for strategy in ("full", "broadcast", "rank_local"):
+        got = load_components(root, options=LoadOptions(hsdp_weight_load=strategy), device=torch.device("cpu"),
+                              dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs)
+        params = {}
+        for name, module in got.modules.items():
+            for pname, param in module.named_parameters():
+                local, start, stop = local_rows(pname, param)
+                params[f"{name}.{pname}"] = (local.detach().clone(), start, stop)
+        report = got.report.to_dict()
+        out[strategy] = {"params": params, "fused": report["lora_keys_fused"],
+                         "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
+                         "held": {c["name"]: c["param_bytes_local"] for c in report["components"]},
+                         "total": {n: s.total_bytes for n, s in got.sources.items()}}
+    plan = plan_load(root, options=LoadOptions(), lora_specs=specs, world_size=world_size, hsdp=HSDPConfig(),
+                     dtype=torch.bfloat16)
+    out["plan"] = {(r.strategy, c.name): (c.bytes_read, c.held) for r in plan.ranks if r.rank == rank
+                   for c in r.components}
+    return out
+
+
+def whole_reference(root: Path, lora: str, kind: str) -> dict[str, tuple]:
+    """Every FP8 layer fused in one process on the whole tensor: the LoRA's delta in fp32, dequantize, add,
+    requantize (``quant_fuse.fuse_fp8_rows`` without any agreement); with the exact fp32 sum."""
+    from safetensors.torch import load_file
+
+    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fuse_fp8_rows
+    from vllm_diffusion_plugin.tiny.models import PIPELINES
+
+    factors = load_file(lora)
+    out = {}
+    for component in PIPELINES[kind][2]:
+        stored = _file_tensors(root / component)
+        for name in fp8_linears(kind):
+            a = factors.get(f"transformer.{name}.lora_A.weight")
+            if a is None:
+                continue
+            b, alpha = factors[f"transformer.{name}.lora_B.weight"], factors[f"transformer.{name}.alpha"]
+            delta = (b.float() @ a.float()) * (float(alpha) / a.shape[0])
+            q, scale = stored[f"{name}.weight"], stored[f"{name}.weight_scale"]
+            per_tensor = scale.dim() == 0
+            new_q, new_scale = fuse_fp8_rows(q, scale if per_tensor else scale.reshape(-1, 1), delta,
+                                             per_tensor=per_tensor)
+            exact = dequantize(q, scale if per_tensor else scale.reshape(-1, 1)).double() + delta.double()
+            out[f"{component}.{name}"] = (new_q, new_scale.reshape(scale.shape), exact)
+    return out
+
+
+@pytest.mark.multiproc
+def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
+    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fp8_step
+
+    kind, fmt, root, lora = fp8_pipeline
+    results = run_distributed(strategies_worker, 2, args=(root, lora), timeout_s=500)
+    reference = whole_reference(Path(root), lora, kind)
+    assert reference
+    for rank, result in enumerate(results):
+        full = result["full"]["params"]
+        for strategy in ("broadcast", "rank_local"):
+            got = result[strategy]["params"]
+            assert set(got) == set(full)
+            different = [k for k, (t, start, stop) in got.items() if (start, stop) != full[k][1:] or
+                         t.dtype != full[k][0].dtype or not torch.equal(_bits(t), _bits(full[k][0]))]
+            assert not different, (rank, strategy, different[:6])
+            assert result[strategy]["fused"] == result["full"]["fused"] > 0, (rank, strategy)
+        for layer, (new_q, new_scale, exact) in reference.items():
+            q, start, stop = full[f"{layer}.weight"]
+            scale = full[f"{layer}.weight_scale"][0]
+            assert q.dtype == FP8, layer  # nothing dequantized and kept
+            per_tensor = scale.dim() == 0
+            column = (lambda s: s) if per_tensor else (lambda s: s.reshape(-1, 1))
+            ours = dequantize(q, column(scale)).double()
+            ref_scale = new_scale if per_tensor else new_scale[start:stop]
+            want = dequantize(new_q[start:stop], column(ref_scale)).double()
+            step = fp8_step(new_q[start:stop]).double() * column(ref_scale).double()
+            assert bool(((ours - want).abs() <= step).all()), (rank, layer, ((ours - want).abs() / step).max())
+            assert bool(((ours - exact[start:stop]).abs() <= step).all()), (rank, layer)
+        for name, read in result["rank_local"]["bytes_read"].items():
+            total = result["rank_local"]["total"][name]
+            print(f"\n[{kind} {fmt}] rank {rank} {name}: rank_local read {read} of {total} bytes "
+                  f"({read / (total / 2):.3f}x of 1/S); full {result['full']['bytes_read'][name]}", flush=True)
+            assert read <= 1.05 * total / 2, (rank, name, read, total)
+            assert result["full"]["bytes_read"][name] == total
+            for strategy in ("full", "rank_local"):
+                planned_read, planned_held = result["plan"][(strategy, name)]
+                assert planned_read == result[strategy]["bytes_read"][name], (rank, strategy, name)
+                assert planned_held == result[strategy]["held"][name], (rank, strategy, name, planned_held,
+                                                                        result[strategy]["held"][name])
+
+
+def test_plan_counts_fp8_bytes_read_and_held(tmp_path):
+    """One rank: the plan of an FP8 checkpoint reads and holds its FP8 bytes (1 byte per weight), not bf16's."""
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.plan import plan_load
+
+    root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
+    plan = plan_load(root, options=LoadOptions(), world_size=1, dtype=torch.bfloat16)
+    component = next(c for r in plan.ranks if r.strategy == "full" for c in r.components if c.name == "transformer")
+    stored = _file_tensors(root / "transformer")
+    on_disk = sum(v.numel() * v.element_size() for v in stored.values())
+    assert component.bytes_read == on_disk and component.held == on_disk, (component.bytes_read, component.held,
+                                                                            on_disk)
