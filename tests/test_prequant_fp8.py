@@ -45,7 +45,9 @@ def fp8_linears(kind: str) -> list[str]:
 
 
 def quantize_folder(folder: Path, kind: str, fmt: str, **extra_config) -> list[str]:
-    """Rewrite a diffusers component folder as a pre-quantized one, shard by shard, with safetensors."""
+    """Rewrite a diffusers component folder as a pre-quantized one, shard by shard, with safetensors. Per channel,
+    the scales go to the last shard (each weight is read before its scale: ``broadcast`` must hold its bucket);
+    otherwise beside their weights (safetensors stores fp32 before fp8: the scale is read first)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -53,20 +55,25 @@ def quantize_folder(folder: Path, kind: str, fmt: str, **extra_config) -> list[s
     linears = set(fp8_linears(kind))
     index_path = folder / "diffusion_pytorch_model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    for shard in sorted(folder.glob("*.safetensors")):
+    shards = sorted(folder.glob("*.safetensors"))
+    contents = {}
+    for shard in shards:
         with safe_open(str(shard), "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            contents[shard] = {k: f.get_tensor(k) for k in f.keys()}
+    for shard in shards:
+        tensors = contents[shard]
         for key in [k for k in tensors if k.removesuffix(".weight") in linears and k.endswith(".weight")]:
             w = tensors[key].float()
             amax = w.abs().amax(dim=1) if per_channel else w.abs().amax()
             scale = (amax / torch.finfo(FP8).max).float()
             tensors[key] = (w / (scale[:, None] if per_channel else scale)).to(FP8)
             name = key.removesuffix(".weight")
-            tensors[f"{name}.weight_scale"] = scale
-            index["weight_map"][f"{name}.weight_scale"] = shard.name
+            contents[shards[-1] if per_channel else shard][f"{name}.weight_scale"] = scale
+            index["weight_map"][f"{name}.weight_scale"] = (shards[-1] if per_channel else shard).name
             if input_scale:
                 tensors[f"{name}.input_scale"] = torch.tensor(0.05)
                 index["weight_map"][f"{name}.input_scale"] = shard.name
+    for shard, tensors in contents.items():
         save_file(tensors, str(shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index))
     cfg = json.loads((folder / "config.json").read_text())
@@ -128,8 +135,11 @@ def test_one_process_reads_the_fp8_bytes_and_scales_as_they_are(fp8_pipeline):
         assert fp8 == set(fp8_linears(kind)), (name, sorted(fp8 ^ set(fp8_linears(kind)))[:5])
         state = module.state_dict()
         assert set(state) == set(stored), sorted(set(state) ^ set(stored))[:5]
-        for key, value in stored.items():
-            assert state[key].dtype == value.dtype and torch.equal(_bits(state[key]), _bits(value)), key
+        for key, value in stored.items():  # FP8 weights and fp32 scales bit for bit; the rest as diffusers casts
+            if value.dtype == FP8 or key.endswith("_scale"):
+                assert state[key].dtype == value.dtype and torch.equal(_bits(state[key]), _bits(value)), key
+            else:
+                assert torch.equal(state[key], value.to(state[key].dtype)), key
         assert all(not n.endswith(EXCLUDED) or m.weight.dtype == torch.bfloat16 for n, m in module.named_modules()
                    if isinstance(m, torch.nn.Linear))
         assert loaded.report.components[0].bytes_read == sum(v.numel() * v.element_size() for v in
@@ -210,6 +220,11 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
     from vllm_diffusion_plugin.engine.plan import plan_load
     from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
 
+    from vllm_diffusion_plugin.engine.strategies import broadcast
+
+    # buckets of 2 KiB: a tiny DiT's tensors go out in many, as a real one's do
+    broadcast.open_channel = lambda options, device: broadcast.BroadcastChannel(
+        timeout_s=options.hsdp_broadcast_timeout_s, bucket_bytes=2048, device=device)
     out = {}
     specs = [LoraSpec(Path(lora))]
     for strategy in ("full", "broadcast", "rank_local"):
@@ -219,7 +234,9 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
         for name, module in got.modules.items():
             for pname, param in module.named_parameters():
                 local, start, stop = local_rows(pname, param)
-                params[f"{name}.{pname}"] = (local.detach().clone(), start, stop)
+                local = local.detach().contiguous()  # FP8 travels as bytes (torch cannot unpickle it)
+                params[f"{name}.{pname}"] = (local.view(torch.uint8) if local.dtype == FP8 else local.clone(),
+                                             local.dtype == FP8, start, stop)
         report = got.report.to_dict()
         out[strategy] = {"params": params, "fused": report["lora_keys_fused"],
                          "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
@@ -267,6 +284,10 @@ def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
     results = run_distributed(strategies_worker, 2, args=(root, lora), timeout_s=500)
     reference = whole_reference(Path(root), lora, kind)
     assert reference
+    for result in results:
+        for strategy in ("full", "broadcast", "rank_local"):
+            result[strategy]["params"] = {k: (t.view(FP8) if fp8 else t, start, stop)
+                                          for k, (t, fp8, start, stop) in result[strategy]["params"].items()}
     for rank, result in enumerate(results):
         full = result["full"]["params"]
         for strategy in ("broadcast", "rank_local"):
@@ -275,7 +296,9 @@ def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
             different = [k for k, (t, start, stop) in got.items() if (start, stop) != full[k][1:] or
                          t.dtype != full[k][0].dtype or not torch.equal(_bits(t), _bits(full[k][0]))]
             assert not different, (rank, strategy, different[:6])
-            assert result[strategy]["fused"] == result["full"]["fused"] > 0, (rank, strategy)
+            fused = result[strategy]["fused"]  # broadcast: rank 0 fuses, the others receive
+            assert result["full"]["fused"] > 0 and fused == (0 if strategy == "broadcast" and rank else
+                                                             result["full"]["fused"]), (rank, strategy, fused)
         for layer, (new_q, new_scale, exact) in reference.items():
             q, start, stop = full[f"{layer}.weight"]
             scale = full[f"{layer}.weight_scale"][0]
@@ -306,10 +329,18 @@ def test_plan_counts_fp8_bytes_read_and_held(tmp_path):
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.plan import plan_load
 
+    from vllm_diffusion_plugin.engine.pipeline import load_components
+
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
     plan = plan_load(root, options=LoadOptions(), world_size=1, dtype=torch.bfloat16)
     component = next(c for r in plan.ranks if r.strategy == "full" for c in r.components if c.name == "transformer")
     stored = _file_tensors(root / "transformer")
     on_disk = sum(v.numel() * v.element_size() for v in stored.values())
-    assert component.bytes_read == on_disk and component.held == on_disk, (component.bytes_read, component.held,
-                                                                            on_disk)
+    loaded = load_components(root, options=LoadOptions(), components=["transformer"], device=torch.device("cpu"),
+                             dtype=torch.bfloat16)
+    held = sum(p.numel() * p.element_size() for p in loaded.modules["transformer"].parameters())
+    fp8 = sum(v.numel() for v in stored.values() if v.dtype == FP8)
+    print(f"\n[plan] read {component.bytes_read} (on disk {on_disk}), held {component.held} (loaded {held}; "
+          f"{fp8} bytes of it FP8 weights)", flush=True)
+    assert component.bytes_read == on_disk and component.held == held, (component.bytes_read, component.held,
+                                                                        on_disk, held)

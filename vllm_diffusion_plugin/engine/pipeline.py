@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import integrity, platform
+from vllm_diffusion_plugin.engine import integrity, platform, prequant
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
@@ -189,6 +189,7 @@ def load_components(
     # ---- validate everything before the first byte of weights is read
     with report.phase("resolve"):
         sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
+        prequant.check_sources(sources)  # FP8 checkpoints carried, any other pre-quantization refused by name
         stamps = {s.name: integrity.stamp(s.files) for s in sources}  # right after their headers were read
     with report.phase("imports"):  # code, not weights: a diffusers model module pulls in ~400 MB and seconds
         for source in sources:

@@ -1,5 +1,5 @@
-"""Exact LoRA fusion into pre-quantized FP8 weights with scales (issue 37, part 2: the arithmetic; no door loads
-FP8 checkpoints yet).
+"""Exact LoRA fusion into pre-quantized FP8 weights with scales (issue 37, part 2: the arithmetic;
+``engine/prequant.py`` applies it to the FP8 checkpoints the load reads).
 
 A ModelOpt / vLLM-serialized FP8 weight is ``q`` (``float8_e4m3fn``, ``[out, in]``) with a scale: one per tensor
 (0-dim) or one per output channel (``[out, 1]``); its value is ``q * scale``. Adding a LoRA delta exactly means
@@ -55,9 +55,16 @@ def fuse_fp8_rows(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor, *, 
         amax = fused.abs().amax(dim=1, keepdim=True)
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("fusing the LoRA into the FP8 weight gave non-finite values; nothing was changed")
+    return quantize(fused, amax, dtype)
+
+
+def quantize(rows: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``rows`` quantized to ``dtype`` with ``scale = amax / max(dtype)`` (``amax``: 0-dim, or
+    ``[rows, 1]``). The one rounding every FP8 path here shares: online quantization (whole tensors or a rank's
+    rows) and the requantization after a LoRA fusion."""
     info = torch.finfo(dtype)
-    new_scale = amax.clamp(min=1e-12) / info.max
-    return (fused / new_scale).clamp(info.min, info.max).to(dtype), new_scale
+    scale = amax.clamp(min=1e-12) / info.max
+    return (rows / scale).clamp(info.min, info.max).to(dtype), scale
 
 
 def max_over(group=None) -> Callable[[torch.Tensor], torch.Tensor]:

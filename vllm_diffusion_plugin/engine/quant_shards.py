@@ -149,7 +149,7 @@ def _block_of(name: str, blocks: Sequence[str]) -> str:
     return max(found, key=len) if found else ""
 
 
-def _shard_group(param: torch.Tensor):
+def shard_group(param: torch.Tensor):
     """The process group of the mesh dimension ``param``'s rows are split over (None: not sharded)."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -180,7 +180,8 @@ def _chunks(rows: torch.Tensor) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or a plain tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -206,18 +207,18 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
         for block, members in groups.items():
             transients = {layer.weight: transient_rows(targets[layer.weight], layer.dtype) for layer in members}
             report.transient_peak_bytes = max(report.transient_peak_bytes, sum(
-                _local(t).numel() * _local(t).element_size() for t in transients.values()))
+                local_part(t).numel() * local_part(t).element_size() for t in transients.values()))
             read(transients)
             fuse(transients, members)
             amax = {}
             for layer in members:  # per tensor; no rows here (uneven shards): 0 is neutral for a max of magnitudes
                 if layer.per_tensor:
-                    rows = _local(transients[layer.weight])
+                    rows = local_part(transients[layer.weight])
                     amax[layer.weight] = torch.stack([layer.method.row_amax(rows[c]).reshape(()) for c in
                                                       _chunks(rows)]).amax() if rows.numel() else torch.zeros(
                         (), dtype=torch.float32, device=rows.device)
             tensor_wide = [layer for layer in members if layer.per_tensor]
-            group = _shard_group(targets[tensor_wide[0].weight]) if tensor_wide else None
+            group = shard_group(targets[tensor_wide[0].weight]) if tensor_wide else None
             if group is not None:
                 packed = torch.stack([amax[layer.weight].reshape(()) for layer in tensor_wide])
                 dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
@@ -226,8 +227,8 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
                 report.collectives += 1
                 report.reduced_bytes += packed.numel() * packed.element_size()
             for layer in members:
-                rows = _local(transients[layer.weight])
-                weight, scale = _local(targets[layer.weight]), _local(targets[layer.scale])
+                rows = local_part(transients[layer.weight])
+                weight, scale = local_part(targets[layer.weight]), local_part(targets[layer.scale])
                 if layer.per_tensor:
                     scale.copy_(layer.method.quantize_rows(rows[:0], amax[layer.weight])[1])
                 for c in _chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
