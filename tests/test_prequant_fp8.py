@@ -344,3 +344,58 @@ def test_plan_counts_fp8_bytes_read_and_held(tmp_path):
           f"{fp8} bytes of it FP8 weights)", flush=True)
     assert component.bytes_read == on_disk and component.held == held, (component.bytes_read, component.held,
                                                                         on_disk, held)
+
+
+# ---- the CLI: vllm-diffusion load, as a user runs it ------------------------------------------------------------
+@pytest.mark.multiproc
+def test_cli_rank_local_two_ranks_fuses_and_saves_an_fp8_checkpoint(tmp_path):
+    """``vllm-diffusion load --nproc 2 --hsdp-weight-load rank_local --lora ... --save-fused``: each rank reads ~half
+    of the FP8 checkpoint; the saved folder is an FP8 checkpoint again (same quantization_config) whose every FP8
+    element is within one FP8 step of the whole-tensor reference fusion."""
+    import subprocess
+    import sys
+
+    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fp8_step
+
+    root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8-per-channel")
+    lora = write_lora(tmp_path / "lora.safetensors", "wan")
+    out = tmp_path / "fused"
+    proc = subprocess.run([sys.executable, "-m", "vllm_diffusion_plugin.doors.cli", "load", str(root), "--nproc", "2",
+                           "--hsdp-weight-load", "rank_local", "--lora", str(lora), "--device", "cpu",
+                           "--save-fused", str(out), "--json"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    total = sum(v.numel() * v.element_size() for c in ("transformer", "transformer_2")
+                for v in _file_tensors(root / c).values())
+    for rank in report["ranks"]:
+        assert rank["bytes_read"] <= 1.05 * total / 2, (rank, total)
+    reference = whole_reference(root, str(lora), "wan")
+    for component in ("transformer", "transformer_2"):
+        saved = _file_tensors(out / component)
+        config = json.loads((out / component / "config.json").read_text())
+        assert config["quantization_config"]["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN"
+        for layer, (new_q, new_scale, exact) in reference.items():
+            if not layer.startswith(component + "."):
+                continue
+            name = layer.removeprefix(component + ".")
+            q, scale = saved[f"{name}.weight"], saved[f"{name}.weight_scale"]
+            assert q.dtype == FP8 and scale.shape == new_scale.shape, layer
+            step = fp8_step(new_q).double() * new_scale.reshape(-1, 1).double()
+            ours = dequantize(q, scale.reshape(-1, 1)).double()
+            assert bool(((ours - dequantize(new_q, new_scale.reshape(-1, 1)).double()).abs() <= step).all()), layer
+            assert bool(((ours - exact).abs() <= step).all()), layer
+
+
+def test_cli_refuses_nvfp4_in_one_line_before_any_rank_starts(tmp_path):
+    import subprocess
+    import sys
+
+    root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
+    cfg = json.loads((root / "transformer_2" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (root / "transformer_2" / "config.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "vllm_diffusion_plugin.doors.cli", "load", str(root), "--nproc", "2",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("vllm-diffusion: error:")]
+    assert len(lines) == 1 and "transformer_2" in lines[0] and "ModelOpt NVFP4 checkpoint" in lines[0], proc.stderr
