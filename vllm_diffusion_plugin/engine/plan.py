@@ -201,12 +201,16 @@ class _Shape:
     quantized: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
     """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale):
     the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``)."""
+    fp8_fuse: int = 0
+    """The largest LoRA fusion into a pre-quantized FP8 weight (``prequant.FUSE_BYTES_PER_ELEMENT``; not chunked)."""
 
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
                      options, lora_headers_only: bool = False, quantization=None) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.prequant import FUSE_BYTES_PER_ELEMENT
+    from vllm_diffusion_plugin.engine.quant_fuse import FP8
     from vllm_diffusion_plugin.engine.quant_shards import find_layers
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
@@ -241,7 +245,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
         rows, numel = layer.shape[0], layer.shape[0] * layer.shape[1]
         scale = 4 * (1 if layer.per_tensor else rows)
         quantized[layer.weight] = (numel * layer.method.quantized_dtype.itemsize, scale, step, layer.per_tensor)
-    lora_bytes = largest = targets = 0
+    lora_bytes = largest = targets = fp8_fuse = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
     if lora_headers_only and all(str(path).endswith(".safetensors") for path, _ in lora_files):
@@ -256,11 +260,14 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             parts = [delta.A, delta.B, delta.bias_delta, delta.full_delta]
             lora_bytes += sum(p.numel() * p.element_size() for p in parts if p is not None)
             weight = params.get(f"{name}.weight", params.get(name))
-            if weight is not None:
+            if weight is not None and weight.dtype == FP8:  # a pre-quantized layer: dequantized, fused, requantized
+                fp8_fuse = max(fp8_fuse, weight.numel() * FUSE_BYTES_PER_ELEMENT)
+            elif weight is not None:
                 largest = max(largest, weight.numel() * weight.element_size())
+            if weight is not None:
                 targets += weight.numel() * weight.element_size()
     return _Shape(source.name, is_dit, tensors, order, blocks, lora_bytes, lora_file_bytes, largest, targets,
-                  largest_file, quantized)
+                  largest_file, quantized, fp8_fuse)
 
 
 def _shard_peak(shape: _Shape, local_of: dict[str, int], *, maps_files: bool) -> int:
@@ -330,6 +337,8 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     held = (local if sharded else whole) - held_q
     largest = -(-shape.lora_largest // shard_size) if rank_local else shape.lora_largest  # rank_local: its rows
     chunk = min(options.lora_device_chunk_mb * MIB, largest) if shape.lora_bytes else 0
+    if shape.lora_bytes and shape.fp8_fuse:  # one FP8 layer's rows at a time, in fp32
+        chunk = max(chunk, -(-shape.fp8_fuse // shard_size) if rank_local else shape.fp8_fuse)
     fuses = shape.lora_bytes and (runs != "broadcast" or rank == 0 or rank_local)
     # the LoRA files beside their normalized factors while preparing, then the factors and one delta chunk
     lora = max(shape.lora_file_bytes + shape.lora_bytes, shape.lora_bytes + chunk) if fuses else 0

@@ -41,6 +41,9 @@ logger = init_logger(__name__)
 
 FP8_ALGOS = {"FP8": False, "FP8_PER_CHANNEL_PER_TOKEN": True}
 """ModelOpt ``quant_algo`` values carried -> per channel."""
+FUSE_BYTES_PER_ELEMENT = 16
+"""What a LoRA fusion into an FP8 layer holds at most per element of the rows it fuses (:func:`fuse_fp8_layers`,
+one layer at a time): the fp32 delta, the fp32 fused rows, their fp32 quotient by the new scale and its clamp."""
 REFUSED_SUFFIXES = {".pre_quant_scale": "pre_quant_scale (AWQ / SmoothQuant pre-scaling of the activations)",
                     ".weight_scale_2": "weight_scale_2 (NVFP4's second-level scale)",
                     ".weight_scale_inv": "weight_scale_inv (block-wise FP8 scales)"}
