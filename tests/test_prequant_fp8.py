@@ -44,7 +44,7 @@ def fp8_linears(kind: str) -> list[str]:
             and "blocks." in name and not name.endswith(EXCLUDED)]
 
 
-def quantize_folder(folder: Path, kind: str, fmt: str, **extra_config) -> list[str]:
+def quantize_folder(folder: Path, kind: str, fmt: str, linears: set[str] | None = None) -> list[str]:
     """Rewrite a diffusers component folder as a pre-quantized one, shard by shard, with safetensors. Per channel,
     the scales go to the last shard (each weight is read before its scale: ``broadcast`` must hold its bucket);
     otherwise beside their weights (safetensors stores fp32 before fp8: the scale is read first)."""
@@ -52,7 +52,7 @@ def quantize_folder(folder: Path, kind: str, fmt: str, **extra_config) -> list[s
     from safetensors.torch import save_file
 
     config, per_channel, input_scale = FORMATS[fmt]
-    linears = set(fp8_linears(kind))
+    linears = set(fp8_linears(kind)) if linears is None else linears
     index_path = folder / "diffusion_pytorch_model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     shards = sorted(folder.glob("*.safetensors"))
@@ -77,7 +77,7 @@ def quantize_folder(folder: Path, kind: str, fmt: str, **extra_config) -> list[s
         save_file(tensors, str(shard), metadata={"format": "pt"})
     index_path.write_text(json.dumps(index))
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {**config, **extra_config}
+    cfg["quantization_config"] = config
     (folder / "config.json").write_text(json.dumps(cfg))
     return sorted(linears)
 
