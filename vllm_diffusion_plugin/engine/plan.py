@@ -202,14 +202,13 @@ class _Shape:
     """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale):
     the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``)."""
     fp8_fuse: int = 0
-    """The largest LoRA fusion into a pre-quantized FP8 weight (``prequant.FUSE_BYTES_PER_ELEMENT``; not chunked)."""
+    """Elements of the largest pre-quantized FP8 weight a LoRA fuses into (``prequant.fuse_transient_bytes``)."""
 
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
                      options, lora_headers_only: bool = False, quantization=None) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
-    from vllm_diffusion_plugin.engine.prequant import FUSE_BYTES_PER_ELEMENT
     from vllm_diffusion_plugin.engine.quant_fuse import FP8
     from vllm_diffusion_plugin.engine.quant_shards import find_layers
     from vllm_diffusion_plugin.engine.skeleton import build_component
@@ -261,7 +260,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             lora_bytes += sum(p.numel() * p.element_size() for p in parts if p is not None)
             weight = params.get(f"{name}.weight", params.get(name))
             if weight is not None and weight.dtype == FP8:  # a pre-quantized layer: dequantized, fused, requantized
-                fp8_fuse = max(fp8_fuse, weight.numel() * FUSE_BYTES_PER_ELEMENT)
+                fp8_fuse = max(fp8_fuse, weight.numel())
             elif weight is not None:
                 largest = max(largest, weight.numel() * weight.element_size())
             if weight is not None:
@@ -312,6 +311,7 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
                     options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int, int]:
     """(plan, host peak, device peak, private host peak, private host bytes held after it, file pages its module
     keeps viewing) of one component on ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
+    from vllm_diffusion_plugin.engine.prequant import fuse_transient_bytes
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
@@ -337,8 +337,8 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     held = (local if sharded else whole) - held_q
     largest = -(-shape.lora_largest // shard_size) if rank_local else shape.lora_largest  # rank_local: its rows
     chunk = min(options.lora_device_chunk_mb * MIB, largest) if shape.lora_bytes else 0
-    if shape.lora_bytes and shape.fp8_fuse:  # one FP8 layer's rows at a time, in fp32
-        chunk = max(chunk, -(-shape.fp8_fuse // shard_size) if rank_local else shape.fp8_fuse)
+    if shape.lora_bytes and shape.fp8_fuse:  # one FP8 layer's (local) rows at a time
+        chunk = max(chunk, fuse_transient_bytes(-(-shape.fp8_fuse // shard_size) if rank_local else shape.fp8_fuse))
     fuses = shape.lora_bytes and (runs != "broadcast" or rank == 0 or rank_local)
     # the LoRA files beside their normalized factors while preparing, then the factors and one delta chunk
     lora = max(shape.lora_file_bytes + shape.lora_bytes, shape.lora_bytes + chunk) if fuses else 0

@@ -41,9 +41,6 @@ logger = init_logger(__name__)
 
 FP8_ALGOS = {"FP8": False, "FP8_PER_CHANNEL_PER_TOKEN": True}
 """ModelOpt ``quant_algo`` values carried -> per channel."""
-FUSE_BYTES_PER_ELEMENT = 16
-"""What a LoRA fusion into an FP8 layer holds at most per element of the rows it fuses (:func:`fuse_fp8_layers`,
-one layer at a time): the fp32 delta, the fp32 fused rows, their fp32 quotient by the new scale and its clamp."""
 REFUSED_SUFFIXES = {".pre_quant_scale": "pre_quant_scale (AWQ / SmoothQuant pre-scaling of the activations)",
                     ".weight_scale_2": "weight_scale_2 (NVFP4's second-level scale)",
                     ".weight_scale_inv": "weight_scale_inv (block-wise FP8 scales)"}
@@ -137,6 +134,15 @@ def fp8_layers(source) -> Fp8Checkpoint | None:
     if not layers:
         raise PreQuantError(f"{what}: {where} says {method} {algo} but no tensor is stored as FP8")
     return Fp8Checkpoint(method, algo or "FP8", layers)
+
+
+def fuse_transient_bytes(numel: int) -> int:
+    """What :func:`fuse_fp8_layers` holds at most while fusing one layer's ``numel`` local elements: the fp32 delta
+    and the requantized FP8 copy whole (5 bytes each), one row chunk (``quant_fuse.CHUNK_ELEMENTS``) of fp32
+    dequantized, fused, divided and clamped rows (16 bytes each)."""
+    from vllm_diffusion_plugin.engine.quant_fuse import CHUNK_ELEMENTS
+
+    return 5 * numel + 16 * min(numel, CHUNK_ELEMENTS)
 
 
 def check_sources(sources: Iterable) -> dict[str, Fp8Checkpoint]:

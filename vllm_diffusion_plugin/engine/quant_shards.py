@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.quant_fuse import row_chunks
 
 logger = init_logger(__name__)
 
@@ -171,15 +172,6 @@ def transient_rows(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements of the row chunks a layer's statistic and quantization run over (bounds their temporaries)."""
-
-
-def _chunks(rows: torch.Tensor) -> list[slice]:
-    step = max(1, CHUNK_ELEMENTS // max(1, rows[0].numel() if rows.dim() and rows.shape[0] else 1))
-    return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
-
-
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, or a plain tensor itself."""
     from torch.distributed.tensor import DTensor
@@ -215,7 +207,7 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
                 if layer.per_tensor:
                     rows = local_part(transients[layer.weight])
                     amax[layer.weight] = torch.stack([layer.method.row_amax(rows[c]).reshape(()) for c in
-                                                      _chunks(rows)]).amax() if rows.numel() else torch.zeros(
+                                                      row_chunks(rows)]).amax() if rows.numel() else torch.zeros(
                         (), dtype=torch.float32, device=rows.device)
             tensor_wide = [layer for layer in members if layer.per_tensor]
             group = shard_group(targets[tensor_wide[0].weight]) if tensor_wide else None
@@ -231,7 +223,7 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
                 weight, scale = local_part(targets[layer.weight]), local_part(targets[layer.scale])
                 if layer.per_tensor:
                     scale.copy_(layer.method.quantize_rows(rows[:0], amax[layer.weight])[1])
-                for c in _chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
+                for c in row_chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
                     statistic = amax[layer.weight] if layer.per_tensor else layer.method.row_amax(rows[c])
                     qrows, qscale = layer.method.quantize_rows(rows[c], statistic)
                     weight[c].copy_(qrows)
