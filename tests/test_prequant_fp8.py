@@ -31,6 +31,8 @@ FORMATS = {  # name -> (quantization_config, per channel, input_scale)
     "modelopt-fp8-per-channel": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN",
                                   "exclude_modules": ["*ffn.net.2*", "*img_mlp.net.2*"]}, True, False),
     "vllm-fp8": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, False, False),
+    "modelopt-fp8-per-channel-column": ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"},
+                                        "column", False),  # [out, 1] scales, as some exporters write them
 }
 EXCLUDED = ("ffn.net.2", "img_mlp.net.2")
 LORA_TARGETS = {"wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
@@ -68,7 +70,8 @@ def quantize_folder(folder: Path, kind: str, fmt: str, linears: set[str] | None 
             scale = (amax / torch.finfo(FP8).max).float()
             tensors[key] = (w / (scale[:, None] if per_channel else scale)).to(FP8)
             name = key.removesuffix(".weight")
-            contents[shards[-1] if per_channel else shard][f"{name}.weight_scale"] = scale
+            contents[shards[-1] if per_channel else shard][f"{name}.weight_scale"] = \
+                scale[:, None] if per_channel == "column" else scale
             index["weight_map"][f"{name}.weight_scale"] = (shards[-1] if per_channel else shard).name
             if input_scale:
                 tensors[f"{name}.input_scale"] = torch.tensor(0.05)
@@ -97,8 +100,9 @@ def write_lora(path: Path, kind: str) -> Path:
     return write_tiny_lora(path, build_tiny_model(kind), seed=4, targets=LORA_TARGETS[kind])
 
 
-@pytest.fixture(scope="module", params=[("wan", f) for f in FORMATS] + [("qwen-image", "modelopt-fp8"),
-                                                                          ("qwen-image", "modelopt-fp8-per-channel")],
+@pytest.fixture(scope="module", params=[("wan", f) for f in FORMATS if "column" not in f] + [
+    ("qwen-image", "modelopt-fp8"), ("qwen-image", "modelopt-fp8-per-channel-column"),
+    ("qwen-image", "modelopt-fp8-per-channel")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def fp8_pipeline(request, tmp_path_factory) -> tuple[str, str, str, str]:
     kind, fmt = request.param
@@ -172,6 +176,26 @@ def test_the_fp8_layers_forward_is_the_dequantized_models(tmp_path):
                   encoder_hidden_states=torch.randn(1, 8, 16, generator=gen), return_dict=False)
     with torch.no_grad():
         assert torch.allclose(ours(**inputs)[0], reference(**inputs)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_modelopts_legacy_hf_quant_config_json_is_read(tmp_path):
+    """ModelOpt's ``hf_quant_config.json`` (``producer`` + ``quantization.quant_algo``) instead of a
+    ``quantization_config`` in config.json."""
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear
+    from vllm_diffusion_plugin.engine.pipeline import load_components
+
+    root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
+    for component in ("transformer", "transformer_2"):
+        cfg = json.loads((root / component / "config.json").read_text())
+        cfg.pop("quantization_config")
+        (root / component / "config.json").write_text(json.dumps(cfg))
+        (root / component / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt", "version": "0.19.0"},
+             "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["*ffn.net.2*"]}}))
+    loaded = load_components(root, options=LoadOptions(), device=torch.device("cpu"), dtype=torch.bfloat16)
+    for module in loaded.modules.values():
+        assert {n for n, m in module.named_modules() if isinstance(m, Fp8Linear)} == set(fp8_linears("wan"))
 
 
 # ---- refused by name, before any weight byte is read ---------------------------------------------------------
