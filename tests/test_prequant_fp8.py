@@ -249,11 +249,22 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
     # buckets of 2 KiB: a tiny DiT's tensors go out in many, as a real one's do
     broadcast.open_channel = lambda options, device: broadcast.BroadcastChannel(
         timeout_s=options.hsdp_broadcast_timeout_s, bucket_bytes=2048, device=device)
-    out = {}
+    out = {"forward_diff": {}}
     specs = [LoraSpec(Path(lora))]
+    whole = load_components(root, options=LoadOptions(), device=torch.device("cpu"), dtype=torch.bfloat16,
+                            lora_specs=specs).modules  # unsharded, in this process: the forward's reference
     for strategy in ("full", "broadcast", "rank_local"):
         got = load_components(root, options=LoadOptions(hsdp_weight_load=strategy), device=torch.device("cpu"),
                               dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs)
+        if "Wan" in type(whole["transformer"]).__name__:  # FSDP2 all-gathers the FP8 weights and scales
+            gen = torch.Generator().manual_seed(7)
+            inputs = dict(hidden_states=torch.randn(1, 4, 2, 4, 4, generator=gen).to(torch.bfloat16),
+                          timestep=torch.tensor([500]), return_dict=False,
+                          encoder_hidden_states=torch.randn(1, 8, 16, generator=gen).to(torch.bfloat16))
+            with torch.no_grad():
+                for name, module in got.modules.items():
+                    out["forward_diff"][(strategy, name)] = (module(**inputs)[0].float() -
+                                                             whole[name](**inputs)[0].float()).abs().max().item()
         params = {}
         for name, module in got.modules.items():
             for pname, param in module.named_parameters():
@@ -313,6 +324,8 @@ def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
             result[strategy]["params"] = {k: (t.view(FP8) if fp8 else t, start, stop)
                                           for k, (t, fp8, start, stop) in result[strategy]["params"].items()}
     for rank, result in enumerate(results):
+        assert all(diff <= 1e-5 for diff in result["forward_diff"].values()), (rank, result["forward_diff"])
+        assert result["forward_diff"] or kind != "wan"
         full = result["full"]["params"]
         for strategy in ("broadcast", "rank_local"):
             got = result[strategy]["params"]
