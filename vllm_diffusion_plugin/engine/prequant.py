@@ -98,9 +98,8 @@ def fp8_layers(source) -> Fp8Checkpoint | None:
     if method in ("modelopt", "modelopt_fp4", "modelopt_mixed") and algo not in FP8_ALGOS:
         name = {"NVFP4": "NVFP4", "W4A16_NVFP4": "NVFP4", "MIXED_PRECISION": "mixed precision"}.get(
             algo, f"quant_algo {algo or method!r}")
-        raise PreQuantError(f"{what}: a ModelOpt {name} checkpoint ({where}) is not carried by --load-format "
-                            f"diffusion-hsdp / vllm-diffusion; ModelOpt FP8 (per tensor, per channel) and vLLM's "
-                            f"serialized fp8 are")
+        raise PreQuantError(f"{what}: a ModelOpt {name} checkpoint ({where}) is not carried; ModelOpt FP8 (per "
+                            f"tensor, per channel) and vLLM's serialized fp8 are")
     if method == "fp8" and config.get("weight_block_size"):
         raise PreQuantError(f"{what}: block-wise FP8 (weight_block_size {config['weight_block_size']}, {where}) is "
                             f"not carried; per-tensor FP8 and ModelOpt FP8 (per tensor, per channel) are")
