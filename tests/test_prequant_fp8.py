@@ -432,3 +432,31 @@ def test_cli_refuses_nvfp4_in_one_line_before_any_rank_starts(tmp_path):
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("vllm-diffusion: error:")]
     assert len(lines) == 1 and "transformer_2" in lines[0] and "ModelOpt NVFP4 checkpoint" in lines[0], proc.stderr
+
+
+@pytest.mark.multiproc
+def test_four_ranks_uneven_rows_and_a_lora_with_bias_and_full_deltas(tmp_path):
+    """ModelOpt FP8 per tensor at S = 4 on rows that split 8/8/8/6 (an FFN of 30), with a LoRA carrying A/B pairs,
+    a bias delta on an FP8 layer, a bias-only delta, and full deltas on bf16 parameters: ``broadcast``'s and
+    ``rank_local``'s parameters bit-identical to ``full``'s rows on every rank, the sharded forward equal to the
+    unsharded one (four ranks agreeing on each per-tensor scale, one of them holding 6 rows)."""
+    from test_distributed_load import write_rich_lora, write_uneven_wan
+
+    root = write_uneven_wan(tmp_path / "uneven")
+    lora = write_rich_lora(tmp_path / "rich_lora.safetensors", root)
+    for component in ("transformer", "transformer_2"):
+        quantize_folder(root / component, "wan", "modelopt-fp8")
+    results = run_distributed(strategies_worker, 4, args=(str(root), str(lora)), timeout_s=600)
+    for rank, result in enumerate(results):
+        assert result["forward_diff"] and all(d <= 1e-5 for d in result["forward_diff"].values()), rank
+        full = {k: (t.view(FP8) if fp8 else t, start, stop) for k, (t, fp8, start, stop) in
+                result["full"]["params"].items()}
+        assert any(t.dtype == FP8 for t, _, _ in full.values())
+        for strategy in ("broadcast", "rank_local"):
+            got = {k: (t.view(FP8) if fp8 else t, start, stop) for k, (t, fp8, start, stop) in
+                   result[strategy]["params"].items()}
+            different = [k for k, (t, start, stop) in got.items() if (start, stop) != full[k][1:] or
+                         t.dtype != full[k][0].dtype or not torch.equal(_bits(t), _bits(full[k][0]))]
+            assert not different, (rank, strategy, different[:6])
+        # rank_local counts the targets this rank holds rows of (scale_shift_table's one row: rank 0 alone)
+        assert 0 < result["rank_local"]["fused"] <= result["full"]["fused"], rank
