@@ -233,7 +233,7 @@ def test_what_stays_refused_is_refused_by_name_before_any_read(tmp_path, monkeyp
 
 
 # ---- 2 gloo ranks: full, broadcast and rank_local with a LoRA --------------------------------------------------
-def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
+def strategies_worker(rank: int, world_size: int, root: str, lora: str, replicate: int = 1) -> dict:
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
@@ -251,7 +251,7 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
                             lora_specs=specs).modules  # unsharded, in this process: the forward's reference
     for strategy in ("full", "broadcast", "rank_local"):
         got = load_components(root, options=LoadOptions(hsdp_weight_load=strategy), device=torch.device("cpu"),
-                              dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs)
+                              dtype=torch.bfloat16, hsdp=HSDPConfig(replicate_size=replicate), lora_specs=specs)
         if "Wan" in type(whole["transformer"]).__name__:  # FSDP2 all-gathers the FP8 weights and scales
             gen = torch.Generator().manual_seed(7)
             inputs = dict(hidden_states=torch.randn(1, 4, 2, 4, 4, generator=gen).to(torch.bfloat16),
@@ -273,7 +273,7 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str) -> dict:
                          "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
                          "held": {c["name"]: c["param_bytes_local"] for c in report["components"]},
                          "total": {n: s.total_bytes for n, s in got.sources.items()}}
-    plan = plan_load(root, options=LoadOptions(), lora_specs=specs, world_size=world_size, hsdp=HSDPConfig(),
+    plan = plan_load(root, options=LoadOptions(), lora_specs=specs, world_size=world_size, hsdp=HSDPConfig(replicate_size=replicate),
                      dtype=torch.bfloat16)
     out["plan"] = {(r.strategy, c.name): (c.bytes_read, c.held) for r in plan.ranks if r.rank == rank
                    for c in r.components}
@@ -435,8 +435,10 @@ def test_cli_refuses_nvfp4_in_one_line_before_any_rank_starts(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_four_ranks_uneven_rows_and_a_lora_with_bias_and_full_deltas(tmp_path):
-    """ModelOpt FP8 per tensor at S = 4 on rows that split 8/8/8/6 (an FFN of 30), with a LoRA carrying A/B pairs,
+@pytest.mark.parametrize("replicate", [1, 2], ids=["shard4", "replicate2-shard2"])
+def test_four_ranks_uneven_rows_and_a_lora_with_bias_and_full_deltas(tmp_path, replicate):
+    """ModelOpt FP8 per tensor at S = 4 on rows that split 8/8/8/6 (an FFN of 30), and at (2, 2) where each replica
+    agrees on the scales in its own shard group, with a LoRA carrying A/B pairs,
     a bias delta on an FP8 layer, a bias-only delta, and full deltas on bf16 parameters: ``broadcast``'s and
     ``rank_local``'s parameters bit-identical to ``full``'s rows on every rank, the sharded forward equal to the
     unsharded one (four ranks agreeing on each per-tensor scale, one of them holding 6 rows)."""
@@ -446,7 +448,7 @@ def test_four_ranks_uneven_rows_and_a_lora_with_bias_and_full_deltas(tmp_path):
     lora = write_rich_lora(tmp_path / "rich_lora.safetensors", root)
     for component in ("transformer", "transformer_2"):
         quantize_folder(root / component, "wan", "modelopt-fp8")
-    results = run_distributed(strategies_worker, 4, args=(str(root), str(lora)), timeout_s=600)
+    results = run_distributed(strategies_worker, 4, args=(str(root), str(lora), replicate), timeout_s=600)
     for rank, result in enumerate(results):
         assert result["forward_diff"] and all(d <= 1e-5 for d in result["forward_diff"].values()), rank
         full = {k: (t.view(FP8) if fp8 else t, start, stop) for k, (t, fp8, start, stop) in
