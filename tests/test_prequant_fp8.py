@@ -273,8 +273,8 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str, replicat
                          "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
                          "held": {c["name"]: c["param_bytes_local"] for c in report["components"]},
                          "total": {n: s.total_bytes for n, s in got.sources.items()}}
-    plan = plan_load(root, options=LoadOptions(), lora_specs=specs, world_size=world_size, hsdp=HSDPConfig(replicate_size=replicate),
-                     dtype=torch.bfloat16)
+    plan = plan_load(root, options=LoadOptions(), lora_specs=specs, world_size=world_size,
+                     hsdp=HSDPConfig(replicate_size=replicate), dtype=torch.bfloat16)
     out["plan"] = {(r.strategy, c.name): (c.bytes_read, c.held) for r in plan.ranks if r.rank == rank
                    for c in r.components}
     return out
