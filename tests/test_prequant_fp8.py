@@ -238,9 +238,8 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str, replicat
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
-    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
-
     from vllm_diffusion_plugin.engine.strategies import broadcast
+    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
 
     # buckets of 2 KiB: a tiny DiT's tensors go out in many, as a real one's do
     broadcast.open_channel = lambda options, device: broadcast.BroadcastChannel(
@@ -360,9 +359,8 @@ def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
 def test_plan_counts_fp8_bytes_read_and_held(tmp_path):
     """One rank: the plan of an FP8 checkpoint reads and holds its FP8 bytes (1 byte per weight), not bf16's."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.plan import plan_load
-
     from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.plan import plan_load
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
     plan = plan_load(root, options=LoadOptions(), world_size=1, dtype=torch.bfloat16)

@@ -188,9 +188,10 @@ def fuse_fp8_layers(targets: Mapping[str, torch.Tensor], deltas: Mapping[str, An
             total = stats if total is None else total + stats
             q, s = local_part(weight), local_part(scale)
             per_tensor = s.dim() == 0
-            group = shard_group(weight) if per_tensor else None
+            group = shard_group(weight) if per_tensor else None  # per tensor and sharded: agree on the amax
+            agree = max_over(group) if group is not None else None
             new_q, new_scale = fuse_fp8_rows(q, s if per_tensor else s.reshape(-1, 1), local_part(zeros),
-                                             per_tensor=per_tensor, agree=max_over(group) if group is not None else None)
+                                             per_tensor=per_tensor, agree=agree)
             q.copy_(new_q)
             s.copy_(new_scale.reshape(s.shape))
             del zeros, rows, new_q
