@@ -181,7 +181,7 @@ def test_modelopts_legacy_hf_quant_config_json_is_read(tmp_path):
     ``quantization_config`` in config.json."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear
-    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.pipeline import load_components, save_components
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
     for component in ("transformer", "transformer_2"):
@@ -194,6 +194,12 @@ def test_modelopts_legacy_hf_quant_config_json_is_read(tmp_path):
     loaded = load_components(root, options=LoadOptions(), device=torch.device("cpu"), dtype=torch.bfloat16)
     for module in loaded.modules.values():
         assert {n for n, m in module.named_modules() if isinstance(m, Fp8Linear)} == set(fp8_linears("wan"))
+    save_components(loaded, tmp_path / "saved")  # its config.json carries the quantization config: read back
+    saved = load_components(tmp_path / "saved" / "transformer", options=LoadOptions(), device=torch.device("cpu"),
+                            dtype=torch.bfloat16).modules["transformer"]
+    assert {n for n, m in saved.named_modules() if isinstance(m, Fp8Linear)} == set(fp8_linears("wan"))
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(saved.state_dict().values(),
+                                                                loaded.modules["transformer"].state_dict().values()))
 
 
 # ---- refused by name, before any weight byte is read ---------------------------------------------------------

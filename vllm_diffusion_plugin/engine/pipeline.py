@@ -298,7 +298,7 @@ def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None)
             else:
                 state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank == 0 else None
             if rank == 0:
-                written.append(save_component(state, loaded.sources[name].config, Path(out_dir) / name,
-                                              progress=loaded.progress))
+                config = prequant.saved_config(loaded.sources[name])  # an FP8 folder stays readable as one
+                written.append(save_component(state, config, Path(out_dir) / name, progress=loaded.progress))
                 logger.info("Saved %s (%d tensors) to %s", name, len(state), written[-1])
     return written

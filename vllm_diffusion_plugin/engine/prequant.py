@@ -73,6 +73,13 @@ def quantization_config(source) -> tuple[dict | None, str]:
     return None, ""
 
 
+def saved_config(source) -> dict:
+    """The ``config.json`` a saved copy of ``source`` gets: its own, with the quantization config of a ModelOpt
+    ``hf_quant_config.json`` carried into ``quantization_config`` (the saved folder holds FP8 tensors too)."""
+    config, where = quantization_config(source)
+    return {**source.config, "quantization_config": config} if where == "hf_quant_config.json" else dict(source.config)
+
+
 def _method_and_algo(config: Mapping[str, Any]) -> tuple[str, str]:
     nested = config.get("quantization") if isinstance(config.get("quantization"), Mapping) else {}
     algo = str(config.get("quant_algo") or nested.get("quant_algo") or "").upper()
