@@ -134,3 +134,19 @@ def test_vllm_omnis_own_fusion_on_the_same_file(fp8_file):
               f"{unchanged.float().mean().item():.0%}", flush=True)
         assert their_error > 0.5 * delta_size and their_error > 5 * our_error, (name, their_error, our_error)
         assert (theirs - base).abs().mean() < 0.1 * delta_size, name  # the LoRA barely moved the weight
+
+
+def test_row_chunks_change_no_bit(fp8_file, monkeypatch):
+    """``fuse_fp8_rows`` runs over row chunks (``CHUNK_ELEMENTS``) to bound its fp32 temporaries: chunks of one and
+    of seven rows give the bits of one whole chunk, per tensor and per channel."""
+    from vllm_diffusion_plugin.engine import quant_fuse
+
+    whole = whole_reference(fp8_file)
+    for elements in (COLS, 7 * COLS):
+        monkeypatch.setattr(quant_fuse, "CHUNK_ELEMENTS", elements)
+        assert len(quant_fuse.row_chunks(whole["blocks.0.attn1.to_q"]["q"])) == -(-ROWS // (elements // COLS))
+        for name, ref in whole.items():
+            per_tensor = ref["scale"].dim() == 0
+            new_q, new_scale = quant_fuse.fuse_fp8_rows(ref["q"], ref["scale"], ref["delta"], per_tensor=per_tensor)
+            assert torch.equal(new_q.view(torch.uint8), ref["new_q"].view(torch.uint8)), (name, elements)
+            assert torch.equal(new_scale, ref["new_scale"]), (name, elements)

@@ -271,6 +271,7 @@ class RegisteredFp8OnlineMethod:
 
     uses_meta_device = True
     per_channel = False
+    quantized_dtype = TorchFp8OnlineMethod.quantized_dtype  # quantize_rows rounds to it
     create_weights = TorchFp8OnlineMethod.create_weights
     apply = TorchFp8OnlineMethod.apply
     row_amax = TorchFp8OnlineMethod.row_amax  # process_weights_after_loading quantizes through these two

@@ -126,9 +126,11 @@ def may_hold_vllm_layers(model: Any) -> bool:
     its class: vLLM decides by ``isinstance(..., QuantizeMethodBase)``, which an ABC registration satisfies with
     no vLLM class in the method's MRO), or some module's class derives from a class defined in vLLM or vllm-omni.
     A diffusers DiT has neither, and then vLLM's attention and quantization modules (seconds to import) need not
-    be imported to know that none of them is there."""
+    be imported to know that none of them is there. A pre-quantized checkpoint's FP8 layers (``engine.fp8_layer``,
+    ``serialized``: nothing to process after loading) do not count."""
     for module in model.modules():
-        if getattr(module, "quant_method", None) is not None:
+        method = getattr(module, "quant_method", None)
+        if method is not None and not getattr(method, "serialized", False):
             return True
         if any(cls.__module__.split(".")[0] in _VLLM_PACKAGES for cls in type(module).__mro__):
             return True

@@ -131,6 +131,7 @@ def _validate(args: argparse.Namespace, world_size: int) -> list:
     from vllm_diffusion_plugin.engine.checkpoint import PickleRefusedError, is_transformer, resolve_checkpoint
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.prequant import check_sources
     from vllm_diffusion_plugin.engine.strategies import check_strategy
 
     if args.nproc < 1:
@@ -143,6 +144,7 @@ def _validate(args: argparse.Namespace, world_size: int) -> list:
         sources = resolve_checkpoint(args.checkpoint, components=args.components, allow_pickle=options.allow_pickle)
     except PickleRefusedError as exc:
         raise exc.with_how("pass --allow-pickle") from None
+    check_sources(sources)  # FP8 checkpoints carried; NVFP4, GGUF, torchao, ... refused by name
     assign_loras([LoraSpec.parse(text) for text in args.lora], [s.name for s in sources if is_transformer(s)])
     check_strategy(options.hsdp_weight_load, sources=sources, world_size=world_size, sharded=world_size > 1)
     return sources

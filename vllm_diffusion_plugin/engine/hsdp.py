@@ -393,7 +393,11 @@ def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] | None = {} if keep else None
     for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, dtensor) else tensor
+        if isinstance(tensor, dtensor) and tensor.dtype.is_floating_point and tensor.element_size() == 1:  # FP8:
+            full = dtensor.from_local(tensor.to_local().view(torch.uint8), tensor.device_mesh, tensor.placements,
+                                      shape=tensor.shape, stride=tensor.stride()).full_tensor().view(tensor.dtype)
+        else:  # (gathered as its bytes above: gloo all-gathers no FP8)
+            full = tensor.full_tensor() if isinstance(tensor, dtensor) else tensor
         if out is not None:
             out[name] = full.detach().to("cpu", copy=True)
         del full

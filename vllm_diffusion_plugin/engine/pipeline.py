@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import integrity, platform
+from vllm_diffusion_plugin.engine import integrity, platform, prequant
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
@@ -190,6 +190,7 @@ def load_components(
     # ---- validate everything before the first byte of weights is read
     with report.phase("resolve"):
         sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
+        prequant.check_sources(sources)  # FP8 checkpoints carried, any other pre-quantization refused by name
         stamps = {s.name: integrity.stamp(s.files) for s in sources}  # right after their headers were read
     with report.phase("imports"):  # code, not weights: a diffusers model module pulls in ~400 MB and seconds
         for source in sources:
@@ -298,7 +299,7 @@ def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None)
             else:
                 state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if rank == 0 else None
             if rank == 0:
-                written.append(save_component(state, loaded.sources[name].config, Path(out_dir) / name,
-                                              progress=loaded.progress))
+                config = prequant.saved_config(loaded.sources[name])  # an FP8 folder stays readable as one
+                written.append(save_component(state, config, Path(out_dir) / name, progress=loaded.progress))
                 logger.info("Saved %s (%d tensors) to %s", name, len(state), written[-1])
     return written

@@ -204,12 +204,15 @@ class _Shape:
     quantized: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
     """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale):
     the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``)."""
+    fp8_fuse: int = 0
+    """Elements of the largest pre-quantized FP8 weight a LoRA fuses into (``prequant.fuse_transient_bytes``)."""
 
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
                      options, lora_headers_only: bool = False, quantization=None) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.quant_fuse import FP8
     from vllm_diffusion_plugin.engine.quant_shards import find_layers
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
@@ -245,7 +248,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
         rows, numel = layer.shape[0], layer.shape[0] * layer.shape[1]
         scale = 4 * (1 if layer.per_tensor else rows)
         quantized[layer.weight] = (numel * layer.method.quantized_dtype.itemsize, scale, step, layer.per_tensor)
-    lora_bytes = largest = targets = 0
+    lora_bytes = largest = targets = fp8_fuse = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
     if lora_headers_only and all(str(path).endswith(".safetensors") for path, _ in lora_files):
@@ -260,12 +263,15 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
             parts = [delta.A, delta.B, delta.bias_delta, delta.full_delta]
             lora_bytes += sum(p.numel() * p.element_size() for p in parts if p is not None)
             weight = params.get(f"{name}.weight", params.get(name))
-            if weight is not None:
+            if weight is not None and weight.dtype == FP8:  # a pre-quantized layer: dequantized, fused, requantized
+                fp8_fuse = max(fp8_fuse, weight.numel())
+            elif weight is not None:
                 largest = max(largest, weight.numel() * weight.element_size())
+            if weight is not None:
                 targets += weight.numel() * weight.element_size()
     root = sum(p.numel() * p.element_size() for p in params.values()) - sum(blocks) if blocks else 0
     return _Shape(source.name, is_dit, tensors, order, blocks, root, lora_bytes, lora_file_bytes, largest, targets,
-                  largest_file, quantized)
+                  largest_file, quantized, fp8_fuse)
 
 
 def first_run_gather(shape: _Shape) -> int:
@@ -323,6 +329,7 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
                     options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int, int]:
     """(plan, host peak, device peak, private host peak, private host bytes held after it, file pages its module
     keeps viewing) of one component on ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
+    from vllm_diffusion_plugin.engine.prequant import fuse_transient_bytes
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
@@ -348,6 +355,8 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     held = (local if sharded else whole) - held_q
     largest = -(-shape.lora_largest // shard_size) if rank_local else shape.lora_largest  # rank_local: its rows
     chunk = min(options.lora_device_chunk_mb * MIB, largest) if shape.lora_bytes else 0
+    if shape.lora_bytes and shape.fp8_fuse:  # one FP8 layer's (local) rows at a time
+        chunk = max(chunk, fuse_transient_bytes(-(-shape.fp8_fuse // shard_size) if rank_local else shape.fp8_fuse))
     fuses = shape.lora_bytes and (runs != "broadcast" or rank == 0 or rank_local)
     # the LoRA files beside their normalized factors while preparing, then the factors and one delta chunk
     lora = max(shape.lora_file_bytes + shape.lora_bytes, shape.lora_bytes + chunk) if fuses else 0

@@ -1,5 +1,5 @@
-"""Exact LoRA fusion into pre-quantized FP8 weights with scales (issue 37, part 2: the arithmetic; no door loads
-FP8 checkpoints yet).
+"""Exact LoRA fusion into pre-quantized FP8 weights with scales (issue 37, part 2: the arithmetic;
+``engine/prequant.py`` applies it to the FP8 checkpoints the load reads).
 
 A ModelOpt / vLLM-serialized FP8 weight is ``q`` (``float8_e4m3fn``, ``[out, in]``) with a scale: one per tensor
 (0-dim) or one per output channel (``[out, 1]``); its value is ``q * scale``. Adding a LoRA delta exactly means
@@ -38,7 +38,9 @@ def fuse_fp8_rows(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor, *, 
                   agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q', scale')``: ``delta`` (these rows, any float dtype) fused exactly into FP8 rows ``q`` with ``scale``.
-    ``agree(amax)`` (per tensor, sharded rows): the whole tensor's amax from this rank's, e.g. :func:`max_over`."""
+    ``agree(amax)`` (per tensor, sharded rows): the whole tensor's amax from this rank's, e.g. :func:`max_over`.
+    Computed over row chunks (:func:`row_chunks`): the fused rows are never whole in fp32 (per tensor they are
+    computed twice, for the amax and for the quantization); elementwise per row, so no bit changes."""
     if tuple(delta.shape) != tuple(q.shape):
         raise ValueError(f"LoRA delta {tuple(delta.shape)} does not fit the FP8 rows {tuple(q.shape)}")
     if not per_tensor and tuple(scale.shape) != (q.shape[0], 1):
@@ -46,18 +48,53 @@ def fuse_fp8_rows(q: torch.Tensor, scale: torch.Tensor, delta: torch.Tensor, *, 
                          f"expected ({q.shape[0]}, 1)")
     if per_tensor and scale.numel() != 1:
         raise ValueError(f"per-tensor scale has {scale.numel()} elements, expected one")
-    fused = dequantize(q, scale.reshape(()) if per_tensor else scale) + delta.float()
+    scale = scale.reshape(()) if per_tensor else scale
+
+    def fused(rows: slice) -> torch.Tensor:
+        return dequantize(q[rows], scale if per_tensor else scale[rows]) + delta[rows].float()
+
+    chunks = row_chunks(q)
+    new_q = torch.empty(q.shape, dtype=dtype, device=q.device)
     if per_tensor:
-        amax = fused.abs().amax() if fused.numel() else torch.zeros((), device=fused.device)
+        amax = torch.stack([fused(c).abs().amax() for c in chunks]).amax() if q.numel() else \
+            torch.zeros((), device=q.device)
         if agree is not None:
             amax = agree(amax)
-    else:
-        amax = fused.abs().amax(dim=1, keepdim=True)
+        _check_finite(amax)
+        for c in chunks:
+            new_q[c] = quantize(fused(c), amax, dtype)[0]
+        return new_q, quantize(q[:0].float(), amax, dtype)[1]
+    new_scale = torch.empty(scale.shape, dtype=torch.float32, device=q.device)
+    for c in chunks:
+        rows = fused(c)
+        amax = rows.abs().amax(dim=1, keepdim=True)
+        _check_finite(amax)
+        new_q[c], new_scale[c] = quantize(rows, amax, dtype)
+    return new_q, new_scale
+
+
+def _check_finite(amax: torch.Tensor) -> None:
     if not bool(torch.isfinite(amax).all()):
         raise ValueError("fusing the LoRA into the FP8 weight gave non-finite values; nothing was changed")
+
+
+CHUNK_ELEMENTS = 1 << 18
+"""Elements of the row chunks the FP8 statistic and (re)quantization run over (bounds their fp32 temporaries)."""
+
+
+def row_chunks(rows: torch.Tensor) -> list[slice]:
+    """Row slices of ``rows`` (``[rows, ...]``) of about :data:`CHUNK_ELEMENTS` elements each (at least one row)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, rows[0].numel() if rows.dim() and rows.shape[0] else 1))
+    return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
+
+
+def quantize(rows: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``rows`` quantized to ``dtype`` with ``scale = amax / max(dtype)`` (``amax``: 0-dim, or
+    ``[rows, 1]``). The one rounding every FP8 path here shares: online quantization (whole tensors or a rank's
+    rows) and the requantization after a LoRA fusion."""
     info = torch.finfo(dtype)
-    new_scale = amax.clamp(min=1e-12) / info.max
-    return (fused / new_scale).clamp(info.min, info.max).to(dtype), new_scale
+    scale = amax.clamp(min=1e-12) / info.max
+    return (rows / scale).clamp(info.min, info.max).to(dtype), scale
 
 
 def max_over(group=None) -> Callable[[torch.Tensor], torch.Tensor]:

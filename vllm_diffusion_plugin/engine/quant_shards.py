@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.quant_fuse import row_chunks
 
 logger = init_logger(__name__)
 
@@ -149,7 +150,7 @@ def _block_of(name: str, blocks: Sequence[str]) -> str:
     return max(found, key=len) if found else ""
 
 
-def _shard_group(param: torch.Tensor):
+def shard_group(param: torch.Tensor):
     """The process group of the mesh dimension ``param``'s rows are split over (None: not sharded)."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -171,16 +172,8 @@ def transient_rows(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements of the row chunks a layer's statistic and quantization run over (bounds their temporaries)."""
-
-
-def _chunks(rows: torch.Tensor) -> list[slice]:
-    step = max(1, CHUNK_ELEMENTS // max(1, rows[0].numel() if rows.dim() and rows.shape[0] else 1))
-    return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or a plain tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
@@ -206,18 +199,18 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
         for block, members in groups.items():
             transients = {layer.weight: transient_rows(targets[layer.weight], layer.dtype) for layer in members}
             report.transient_peak_bytes = max(report.transient_peak_bytes, sum(
-                _local(t).numel() * _local(t).element_size() for t in transients.values()))
+                local_part(t).numel() * local_part(t).element_size() for t in transients.values()))
             read(transients)
             fuse(transients, members)
             amax = {}
             for layer in members:  # per tensor; no rows here (uneven shards): 0 is neutral for a max of magnitudes
                 if layer.per_tensor:
-                    rows = _local(transients[layer.weight])
+                    rows = local_part(transients[layer.weight])
                     amax[layer.weight] = torch.stack([layer.method.row_amax(rows[c]).reshape(()) for c in
-                                                      _chunks(rows)]).amax() if rows.numel() else torch.zeros(
+                                                      row_chunks(rows)]).amax() if rows.numel() else torch.zeros(
                         (), dtype=torch.float32, device=rows.device)
             tensor_wide = [layer for layer in members if layer.per_tensor]
-            group = _shard_group(targets[tensor_wide[0].weight]) if tensor_wide else None
+            group = shard_group(targets[tensor_wide[0].weight]) if tensor_wide else None
             if group is not None:
                 packed = torch.stack([amax[layer.weight].reshape(()) for layer in tensor_wide])
                 dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
@@ -226,11 +219,11 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
                 report.collectives += 1
                 report.reduced_bytes += packed.numel() * packed.element_size()
             for layer in members:
-                rows = _local(transients[layer.weight])
-                weight, scale = _local(targets[layer.weight]), _local(targets[layer.scale])
+                rows = local_part(transients[layer.weight])
+                weight, scale = local_part(targets[layer.weight]), local_part(targets[layer.scale])
                 if layer.per_tensor:
                     scale.copy_(layer.method.quantize_rows(rows[:0], amax[layer.weight])[1])
-                for c in _chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
+                for c in row_chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
                     statistic = amax[layer.weight] if layer.per_tensor else layer.method.row_amax(rows[c])
                     qrows, qscale = layer.method.quantize_rows(rows[c], statistic)
                     weight[c].copy_(qrows)

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import prequant
 from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
+from vllm_diffusion_plugin.engine.fp8_layer import to_fp8_layers
 from vllm_diffusion_plugin.engine.progress import progress_bar
 from vllm_diffusion_plugin.engine.report import human_count
 
@@ -179,7 +181,8 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
 
     Load weights next (``weights.load_into_module(module, source=source)``). ``device="meta"`` returns the
     skeleton without allocating anything: parameters on ``meta`` already in their final dtypes (``dtype``, or
-    float32 for the class's ``_keep_in_fp32_modules``), buffers with their real constructed values.
+    float32 for the class's ``_keep_in_fp32_modules``), buffers with their real constructed values. The linears a
+    pre-quantized checkpoint stores in FP8 are ``fp8_layer.Fp8Linear`` (``prequant.fp8_layers``).
     """
     cls = component_class(source)
     config = dict(source.config)
@@ -193,6 +196,9 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
         materialize(module, device=device, dtype=dtype, keep_fp32=_fp32_module_names(cls))
     else:  # diffusers' dtype rule on meta: parameters only, buffers keep their values
         _place_parameters(module, device=torch.device("meta"), dtype=dtype, keep_fp32=_fp32_module_names(cls))
+    checkpoint = prequant.fp8_layers(source)  # a pre-quantized checkpoint: its FP8 layers, read as they are
+    if checkpoint is not None:
+        to_fp8_layers(module, checkpoint.layers)
     module.eval()
     n_params = sum(p.numel() for p in module.parameters())
     logger.info("Built %s (%s, %s parameters, %s) on %s from %s without initializing weights",

@@ -265,8 +265,9 @@ def strict_check_exemptions(module: nn.Module) -> set[str]:
     Unlike vLLM's unquantized default, a plain layer's weights are never exempt.
     """
     exempt = {name for name, p in module.named_parameters() if p.numel() == 0}
-    quantized = [(prefix, sub, sub.quant_method) for prefix, sub in module.named_modules()
-                 if getattr(sub, "quant_method", None) is not None]
+    quantized = [(prefix, sub, sub.quant_method) for prefix, sub in module.named_modules()  # serialized: FP8 read
+                 if getattr(sub, "quant_method", None) is not None                            # as it is, all needed
+                 and not getattr(sub.quant_method, "serialized", False)]
     if not quantized:  # a diffusers DiT: vLLM's quantization modules (seconds to import) are not needed
         return exempt
     try:

@@ -20,55 +20,27 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import layerwise
 
-FP8 = torch.float8_e4m3fn
+from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear, Fp8RowMethod
+from vllm_diffusion_plugin.engine.quant_fuse import FP8  # noqa: F401 (re-exported for tests)
 
 
-class TorchFp8OnlineMethod(QuantizeMethodBase):
+class TorchFp8OnlineMethod(Fp8RowMethod, QuantizeMethodBase):
     """Online fp8 in pure torch, shaped like vLLM's ``Fp8PerTensorOnlineLinearMethod``: weights start on
     ``meta`` (``create_weights``), vLLM's layerwise loader materializes and processes a layer when its last
     weight arrives; the result is an fp8 ``.t()`` view plus a scale, and vLLM's "already processed" marker.
-    ``per_channel``: one scale per output row (``weight_scale`` of shape ``[out, 1]``)."""
+    ``per_channel``: one scale per output row (``weight_scale`` of shape ``[out, 1]``). The row protocol, the
+    rounding and the forward are ``engine.fp8_layer.Fp8RowMethod``'s, which pre-quantized checkpoints load into."""
 
     uses_meta_device = True
-    quantized_dtype = FP8
 
     def __init__(self, per_channel: bool = False) -> None:
-        super().__init__()
-        self.per_channel = per_channel
-
-    @property
-    def scale_granularity(self) -> str:
-        """``tensor``: one scale from the whole tensor's amax (ranks holding its rows must agree on it);
-        ``channel``: one per output row, from that row alone."""
-        return "channel" if self.per_channel else "tensor"
+        super().__init__(per_channel)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, loader) -> None:
         weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
         weight.weight_loader = loader
         layer.register_parameter("weight", weight)
         layerwise.initialize_online_processing(layer)  # vLLM's real loader wrapping
-
-    def row_amax(self, rows: torch.Tensor) -> torch.Tensor:
-        """The statistic the scale comes from, over ``rows`` (``[rows, in]``, the ``[out, in]`` layout), in
-        fp32: a 0-dim amax (``tensor``; the max over several row blocks is the whole tensor's) or ``[rows, 1]``."""
-        if self.per_channel:
-            return rows.abs().amax(dim=1, keepdim=True).float()
-        return rows.abs().amax().float()
-
-    def quantize_rows(self, rows: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fp8 rows, scale)`` of ``rows`` given ``amax`` (``row_amax`` of the whole tensor, or of these rows
-        for ``channel``)."""
-        scale = amax.clamp(min=1e-12) / torch.finfo(FP8).max
-        qrows = (rows / scale).clamp(torch.finfo(FP8).min, torch.finfo(FP8).max).to(FP8)
-        return qrows, scale
-
-    def apply(self, layer, x, bias=None):
-        weight = layer.weight
-        if getattr(layer, "weight_row_major", False):  # rank_local: the [out, in] storage FSDP2 shards by rows
-            weight = weight.t()
-        scale = layer.weight_scale.t() if self.per_channel else layer.weight_scale  # [out, 1] -> [1, out]
-        out = x @ (weight.float() * scale).to(x.dtype)
-        return out if bias is None else out + bias
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
@@ -79,21 +51,9 @@ class TorchFp8OnlineMethod(QuantizeMethodBase):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         layer._already_called_process_weights_after_loading = True
 
-    def install_rows(self, layer: nn.Module) -> None:
-        """After ``rank_local`` filled ``weight`` (``[out, in]`` fp8 rows, sharded) and ``weight_scale``: mark
-        the layout (row-major, as vllm-omni's ``prepare_fp8_layers_for_fsdp`` keeps it) and the layer processed."""
-        layer.weight_row_major = True
-        layer._already_called_process_weights_after_loading = True
 
-
-class OnlineQuantLinear(nn.Linear):
-    """An ``nn.Linear`` of a diffusers DiT given an online quant method (what vLLM's ``quant_config`` does for
-    the layers of the models it builds): the forward goes through ``quant_method.apply``."""
-
-    quant_method: QuantizeMethodBase
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+OnlineQuantLinear = Fp8Linear
+"""An ``nn.Linear`` of a diffusers DiT given an online quant method: ``engine.fp8_layer.Fp8Linear``."""
 
 
 def attach_online_quant(module: nn.Module, *, per_channel: bool = False,

@@ -239,15 +239,23 @@ def _flat(tensor: torch.Tensor, key: str) -> torch.Tensor:
     return tensor.detach().view(-1)
 
 
-def _lora_parts(module: nn.Module, files: Sequence[dict]) -> dict[str, list[tuple[int, str, str]]]:
-    """Checkpoint key -> the (file index, target, part) LoRA updates that wait for it (part: weight/bias)."""
+def _lora_parts(module: nn.Module, files: Sequence[dict],
+                keys: Sequence[str] = ()) -> dict[str, list[tuple[int, str, str]]]:
+    """Checkpoint key -> the (file index, target, part) LoRA updates that wait for it (part: weight/bias); an FP8
+    layer's weight waits for the later of its weight and scale (``prequant.read_together``)."""
+    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
+    from vllm_diffusion_plugin.engine.prequant import read_together
+
     modules = dict(module.named_modules())
+    together = read_together(keys, serialized_layers(module))
     parts: dict[str, list[tuple[int, str, str]]] = {}
     for i, deltas in enumerate(files):
         for name, delta in deltas.items():
             owner = modules.get(name)
             if delta.A is not None or delta.full_delta is not None:
-                parts.setdefault(f"{name}.weight" if owner is not None else name, []).append((i, name, "weight"))
+                key = f"{name}.weight" if owner is not None else name
+                key = keys[together[key]] if key in together else key
+                parts.setdefault(key, []).append((i, name, "weight"))
             if delta.bias_delta is not None:
                 parts.setdefault(f"{name}.bias", []).append((i, name, "bias"))
     return parts
@@ -262,7 +270,8 @@ class _Sender:
         self.digest, self.targets, self.module, self.files = digest, targets, module, files
         self.chunk_mb, self.check_finite, self.progress, self.threads = chunk_mb, check_finite, progress, threads
         self.host_weights, self.staging = host_weights, staging
-        self.parts = _lora_parts(module, files)
+        self.parts = _lora_parts(module, files, keys)
+        self.modules = [name for name, _ in module.named_modules()]
         self.pending: dict[tuple[int, str], set[str]] = {}
         self.handshaken = False
         self.lora_stats = None
@@ -300,7 +309,9 @@ class _Sender:
         return lambda data: pack_bucket(data, bucket, self.targets, self.staging, threads=self.threads)
 
     def _fuse_pending(self) -> None:
+        from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
         from vllm_diffusion_plugin.engine.lora import fuse_lora
+        from vllm_diffusion_plugin.engine.prequant import fuse_fp8_layers, split_deltas
 
         if not self.pending:
             return
@@ -316,9 +327,14 @@ class _Sender:
                                                    bias_delta=d.bias_delta if "bias" in parts else None,
                                                    full_delta=d.full_delta if weight else None)
                 self.fused.add((i, name))
-            stats = fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite,
-                              host_weights=self.host_weights)
-            self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
+            fp8, deltas = split_deltas(deltas, serialized_layers(self.module))  # dequantize, add, requantize
+            for stats in (fuse_fp8_layers(self.targets, fp8, modules=self.modules, chunk_mb=self.chunk_mb,
+                                          check_finite=self.check_finite, host_weights=self.host_weights)
+                          if fp8 else None,
+                          fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite,
+                                    host_weights=self.host_weights) if deltas else None):
+                if stats is not None:
+                    self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
         self.pending.clear()
         self.nested["lora"] += time.perf_counter() - started
 
@@ -345,6 +361,8 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
     All ranks must call this for the same sources in the same order. Returns the full module on the host.
     """
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer
+    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
+    from vllm_diffusion_plugin.engine.prequant import read_together
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
@@ -361,6 +379,10 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
             keys = [k for f in source.files for k in source.keys_in(f) if k in targets]
             plan = plan_buckets([(k, targets[k].numel(), targets[k].dtype) for k in keys],
                                 bucket_bytes=channel.bucket_bytes)
+            together, floor = read_together(keys, serialized_layers(module)), -1  # FP8 weight + scale, then send
+            for i, bucket in enumerate(plan):
+                floor = max(floor, bucket.ready_after, *(together.get(s.key, -1) for s in bucket.segments))
+                plan[i] = dataclasses.replace(bucket, ready_after=floor)
             digest = plan_digest(plan)
     except Exception as exc:
         _report_early_failure(channel, what, exc)

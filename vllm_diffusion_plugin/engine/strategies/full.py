@@ -6,6 +6,7 @@ S ranks read S copies and each holds a full model before the pipeline shards it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
@@ -20,7 +21,9 @@ def load_full(source: ComponentSource, *, context: LoadContext,
     skeleton is built there and the weights arrive through the staging ring, so LoRA is fused on the device in
     place; otherwise on the host (mapped, copy-on-write), and the pipeline places or shards it afterwards."""
     from vllm_diffusion_plugin.engine.checkpoint import is_transformer
+    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
     from vllm_diffusion_plugin.engine.lora import fuse_prepared, prepare_lora_files
+    from vllm_diffusion_plugin.engine.prequant import fuse_files_into_fp8
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
@@ -37,8 +40,15 @@ def load_full(source: ComponentSource, *, context: LoadContext,
     stats = None
     if lora_files:  # the accelerator computes when it is usable (lora.fuse's device rule)
         with report.phase("lora"):
-            stats = fuse_prepared(module, prepare_lora_files(module, lora_files, strict=options.lora_strict,
-                                                            component=source.name),
-                                  chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
-                                  progress=context.progress, name=source.name, host_weights=options.lora_host_weights)
+            prepared = prepare_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
+            fp8 = serialized_layers(module)  # a pre-quantized checkpoint's FP8 layers: dequantize, add, requantize
+            if fp8:
+                rest, stats = fuse_files_into_fp8(module.state_dict(keep_vars=True), [p.deltas for p in prepared],
+                                                  fp8, modules=(n for n, _ in module.named_modules()),
+                                                  options=options)
+                prepared = [dataclasses.replace(p, deltas=r) for p, r in zip(prepared, rest) if r]
+            more = fuse_prepared(module, prepared, chunk_mb=options.lora_device_chunk_mb,
+                                 check_finite=options.lora_check_finite, progress=context.progress,
+                                 name=source.name, host_weights=options.lora_host_weights) if prepared else None
+            stats = more if stats is None else stats if more is None else stats + more
     return ComponentLoad(module, bytes_read=result.bytes_read, tensors=len(result.loaded), lora=stats)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import quant_shards
+from vllm_diffusion_plugin.engine import prequant, quant_shards
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource
 from vllm_diffusion_plugin.engine.reader import pread_into
 from vllm_diffusion_plugin.engine.strategies.base import (
@@ -302,6 +302,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     Needs ``context.mesh`` and ``context.hsdp`` (the pipeline sends only sharded DiTs here)."""
     from torch.distributed.tensor import DTensor
 
+    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
     from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import WeightLoadError, strict_check_exemptions, validate_headers
@@ -352,6 +353,12 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     if unexpected:
         logger.warning("%d checkpoint key(s) in %s have no place in %s and were skipped: %s", len(unexpected),
                        origin, cls_name, ", ".join(unexpected[:20]))
+    fp8 = serialized_layers(module)  # a pre-quantized checkpoint's FP8 rows: dequantize, add, requantize
+    if fp8 and any(files):
+        with report.phase("lora"):
+            files, fused = prequant.fuse_files_into_fp8(targets, files, fp8, options=options,
+                                                        modules=(n for n, _ in module.named_modules()))
+            lora = fused if lora is None else lora if fused is None else lora + fused
     rest = [{n: d for n, d in f.items() if f"{n}.weight" not in quantized} for f in files]
     if any(rest):
         with report.phase("lora"):
