@@ -7,7 +7,9 @@ bf16, one rank-64 LightX2V distill LoRA per transformer, tiny text encoder and V
 
 - ``omni``: vllm-omni's own load (every rank reads and fuses the whole DiTs, then ``apply_hsdp_to_model``);
 - ``omni-broadcast``: the same with ``--enable-broadcast-weight-load``;
-- ``ours``: ``--load-format diffusion-hsdp`` with ``hsdp_weight_load=rank_local`` (at S = 1 it runs as ``full``).
+- ``ours``: ``--load-format diffusion-hsdp`` with ``hsdp_weight_load=rank_local`` (at S = 1 it runs as ``full``);
+- ``omni-fp8`` / ``ours-fp8``: ``omni`` / ``ours`` with ``--quantization torch_fp8`` (online fp8 with the LoRAs fused
+  first; on the CPU platform the pure-torch stand-in for vLLM's ``fp8``) -- ``--settings ours,omni-fp8,ours-fp8``.
 
 Two runs (``--runs``):
 
@@ -15,7 +17,8 @@ Two runs (``--runs``):
   (``--limit-gib``), set by a memory cgroup the benchmark creates under its own cgroup, starts the whole server
   in (API server, engine, workers) and removes afterwards (cgroup v1 ``memory`` or v2 with the memory
   controller; root needed, "unavailable" said otherwise). An out-of-memory kill in the group (its ``oom_kill``
-  counter) stops the server and is reported as ``oom``, never a crash of the benchmark.
+  counter) stops the server and is reported as ``oom``, never a crash of the benchmark; a server of ours that our
+  pre-flight refuses before any worker starts (it cannot fit, and says so) as ``refused``.
 - ``scaling``: at ``--scaling-blocks`` and each S of ``--scaling-sizes``, ``omni`` and ``ours``, inside a safety
   limit (this host's RAM minus 2 GiB) only.
 
@@ -57,7 +60,12 @@ from bench_serve_startup import _dit_bytes, build, worker_rank  # noqa: E402
 
 from vllm_diffusion_plugin.tools import servers as sv  # noqa: E402
 
-SETTINGS = ("omni", "omni-broadcast", "ours")
+SETTINGS = ("omni", "omni-broadcast", "ours", "omni-fp8", "ours-fp8")
+LIMIT_SETTINGS = ("omni", "omni-broadcast", "ours")
+"""The limit run's default settings; ``--settings ours,omni-fp8,ours-fp8 --limit-gib 13`` is the FP8 case."""
+FP8 = "torch_fp8"
+"""The online fp8 of the ``-fp8`` settings: on the CPU platform the pure-torch stand-in it registers through
+vllm-omni's quantization override hook (vLLM's ``fp8`` has no CPU kernel); on a GPU host use ``fp8``."""
 LOAD_START = re.compile(r"\(\w+ pid=(\d+)\).*worker RSS before its model load: (\d+) bytes")
 """Our CPU platform's line (``CpuOmniPlatform.init_diffusion_model_runner_runtime``): a worker's RSS right before
 vllm-omni's ``load_model`` (vLLM's own "Model loading took X GiB" is the host's used memory on a CPU)."""
@@ -169,15 +177,18 @@ def spec_for(setting: str, size: int, pipeline: Path, loras: list[Path], *, name
             "--lora-path", *map(str, loras), "--lora-backend", "distill"]
     if size > 1:
         args += ["--use-hsdp", "--hsdp-shard-size", str(size)]
-    if setting == "omni-broadcast":
+    base, fp8 = setting.removesuffix("-fp8"), setting.endswith("-fp8")
+    if fp8:
+        args += ["--quantization", FP8]
+    if base == "omni-broadcast":
         args.append("--enable-broadcast-weight-load")
-    elif setting == "ours":
+    elif base == "ours":
         args += ["--load-format", "diffusion-hsdp"]
         if size > 1:
             args += ["--additional-config", json.dumps({"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}})]
-    elif setting != "omni":
+    elif base != "omni" or setting not in SETTINGS:
         raise ValueError(f"unknown setting {setting!r}; known: {', '.join(SETTINGS)}")
-    return sv.ServerSpec(name, pipeline, plugin=setting == "ours", args=tuple(args), dtype="bfloat16",
+    return sv.ServerSpec(name, pipeline, plugin=base == "ours", args=tuple(args), dtype="bfloat16",
                          env={**(env or {}), "VLLM_DIFFUSION_OMNI_CPU_DEVICES": str(max(2, size))}, cgroup=cgroup)
 
 
@@ -200,6 +211,9 @@ def one_server(setting: str, size: int, blocks: int, pipeline: Path, loras: list
             except sv.ServerError as exc:
                 run = exc.run
                 row["error"] = str(exc).splitlines()[0][:300]
+                refusal = re.search(r"PreflightError: (pre-flight: [^\n]*)", run.log_text() if run else "")
+                if refusal:  # our pre-flight refused it before any worker started: it does not fit, said so
+                    row |= {"status": "refused", "error": refusal[1][:300]}
             finally:
                 kills = watch.stop()
                 row |= {"oom_kills": kills, "cgroup_peak": group.peak(), "cgroup_stat": group.stat()}
@@ -237,7 +251,7 @@ def _workers(run: sv.ServerRun) -> dict[int, dict]:
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
-def planned(pipeline: Path, loras: list[Path], size: int, *, first_run: bool = False) -> dict[int, int]:
+def planned(pipeline: Path, loras: list[Path], size: int, *, first_run: bool = False, fp8: bool = False) -> dict[int, int]:
     """Host peak per rank that ``plan`` gives our rank_local load of this folder at S = ``size`` (``first_run``: its
     first run's peak, the server's warm-up, instead)."""
     import torch
@@ -247,28 +261,37 @@ def planned(pipeline: Path, loras: list[Path], size: int, *, first_run: bool = F
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec
     from vllm_diffusion_plugin.engine.plan import plan_load
 
+    quantization = None
+    if fp8:  # the method the fp8 settings' servers run
+        from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
+
+        quantization = attach_online_quant
     plan = plan_load(str(pipeline), options=LoadOptions(), lora_specs=[LoraSpec(p) for p in loras],
                      world_size=size, hsdp=HSDPConfig(replicate_size=1, shard_size=size) if size > 1 else None,
-                     dtype=torch.bfloat16, device_type="cpu")
+                     dtype=torch.bfloat16, device_type="cpu", quantization=quantization)
     strategy = "rank_local" if size > 1 else "full"
     return {r.rank: r.first_run_peak if first_run else r.host_peak for r in plan.ranks if r.strategy == strategy}
 
 
 # ---- judging and printing ---------------------------------------------------------------------------------
-def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], dict[int, int]],
-          first_runs: dict[tuple[int, int], dict[int, int]] | None = None) -> list[dict]:
+def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int, bool], dict[int, int]],
+          first_runs: dict[tuple[int, int, bool], dict[int, int]] | None = None) -> list[dict]:
+    """Goals as ratios; ``plans`` / ``first_runs``: (blocks, S, fp8) -> rank -> the plan's host / first-run peak."""
     goals = []
     limited = [r for r in rows if r["run"] == "limit"]
-    if limited:
-        ours = [r for r in limited if r["setting"] == "ours"]
-        theirs = [r for r in limited if r["setting"] != "ours"]
-        goals.append({"goal": f"under {limited[0]['limit'] / GiB:.1f} GiB ours serves, vllm-omni's own loads do not",
+    if limited:  # the leanest of ours serves, every other setting is OOM-killed
+        winner = "ours-fp8" if any(r["setting"] == "ours-fp8" for r in limited) else "ours"
+        ours = [r for r in limited if r["setting"] == winner]
+        theirs = [r for r in limited if r["setting"] != winner]
+        goals.append({"goal": f"under {limited[0]['limit'] / GiB:.1f} GiB {winner} serves, "
+                              f"{', '.join(sorted({r['setting'] for r in theirs}))} do not",
                       "pass": all(r["status"] == "served" for r in ours) and bool(theirs)
-                      and all(r["status"] == "oom" for r in theirs),
+                      and all(r["status"] in ("oom", "refused") for r in theirs),
                       "detail": ", ".join(f"{r['setting']}: {r['status']}" for r in limited)})
     for r in rows:
-        if r["setting"] != "ours" or not r.get("workers"):
+        if not r["setting"].startswith("ours") or not r.get("workers"):
             continue
+        key = (r["blocks"], r["S"], r["setting"].endswith("-fp8"))
         per_s = dit[r["blocks"]] / r["S"]
         for rank, w in r["workers"].items():
             if w["baseline"] is None or w["load_peak"] is None:
@@ -276,11 +299,11 @@ def judge(rows: list[dict], dit: dict[int, int], plans: dict[tuple[int, int], di
             added = w["load_peak"] - w["baseline"]
             goals.append({"goal": f"{r['name']} rank {rank}: load peak <= baseline + 1.15 x DiT/S",
                           "ratio": added / per_s, "pass": added <= 1.15 * per_s})
-            plan = plans.get((r["blocks"], r["S"]), {}).get(rank)
+            plan = plans.get(key, {}).get(rank)
             if plan:
                 goals.append({"goal": f"{r['name']} rank {rank}: plan within 15% of the measured load peak",
                               "ratio": plan / added, "pass": abs(plan - added) <= 0.15 * added})
-            first = (first_runs or {}).get((r["blocks"], r["S"]), {}).get(rank)
+            first = (first_runs or {}).get(key, {}).get(rank)
             if first and w.get("life_peak") and r["S"] > 1:  # the warm-up's FSDP all-gathers (issue 39)
                 lived = w["life_peak"] - w["baseline"]
                 goals.append({"goal": f"{r['name']} rank {rank}: plan's first run within 15% of the life peak",
@@ -318,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=6, help="blocks per transformer in the limit run")
     parser.add_argument("--shard-size", type=int, default=2, help="S of the limit run")
     parser.add_argument("--limit-gib", type=float, default=19.5, help="memory limit of the whole server (GiB)")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help="settings of the limit run")
+    parser.add_argument("--settings", default=",".join(LIMIT_SETTINGS),
+                        help=f"settings of the limit run, of {', '.join(SETTINGS)}")
     parser.add_argument("--scaling-blocks", type=int, default=1)
     parser.add_argument("--scaling-sizes", default="1,2,4")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per server to be ready / answer")
@@ -342,15 +366,16 @@ def main(argv: list[str] | None = None) -> int:
                  for n in args.scaling_sizes.split(",") for s in ("omni", "ours")]
     folders = {b: build(args.out_dir, blocks=b) for b in sorted({p[3] for p in plan})}
     dit = {b: _dit_bytes(folder) for b, (folder, _) in folders.items()}
-    plans = {(b, n): planned(*folders[b], n) for _, s, n, b, _ in plan if s == "ours"}
-    first_runs = {(b, n): planned(*folders[b], n, first_run=True) for _, s, n, b, _ in plan if s == "ours"}
+    ours = {(b, n, s.endswith("-fp8")) for _, s, n, b, _ in plan if s.startswith("ours")}
+    plans = {(b, n, q): planned(*folders[b], n, fp8=q) for b, n, q in ours}
+    first_runs = {(b, n, q): planned(*folders[b], n, first_run=True, fp8=q) for b, n, q in ours}
     logs, rows, t0 = args.out_dir / "logs" / time.strftime("%Y%m%d-%H%M%S"), [], time.monotonic()
     for run, setting, size, blocks, limit in plan:
         pipeline, loras = folders[blocks]
         row = one_server(setting, size, blocks, pipeline, loras, limit=limit, logs=logs, timeout_s=args.timeout,
                          env=dict(item.split("=", 1) for item in args.server_env))
-        rows.append(row | {"run": run, "planned_host_peak": plans.get((blocks, size)) if setting == "ours" else None,
-                           "planned_first_run": first_runs.get((blocks, size)) if setting == "ours" else None})
+        key = (blocks, size, setting.endswith("-fp8"))
+        rows.append(row | {"run": run, "planned_host_peak": plans.get(key), "planned_first_run": first_runs.get(key)})
     goals = judge(rows, dit, plans, first_runs)
     result = {"host_bytes": host, "dit_bytes": dit, "wall_s": round(time.monotonic() - t0, 1), "rows": rows,
               "goals": goals,

@@ -69,6 +69,8 @@ def test_oom_watch_ends_the_whole_group_at_the_first_kill():
     ("omni-broadcast", 4, ["--enable-broadcast-weight-load", "--hsdp-shard-size", "4"], ["--load-format"]),
     ("ours", 2, ["--load-format", "diffusion-hsdp", "--use-hsdp"], ["--enable-broadcast-weight-load"]),
     ("ours", 1, ["--load-format", "diffusion-hsdp"], ["--use-hsdp", "--additional-config"]),
+    ("omni-fp8", 2, ["--quantization", "torch_fp8", "--use-hsdp"], ["--load-format"]),
+    ("ours-fp8", 2, ["--quantization", "torch_fp8", "--load-format", "diffusion-hsdp"], ["--enable-broadcast-weight-load"]),
 ])
 def test_each_setting_asks_for_its_load(tmp_path, setting, size, want, absent):
     spec = cap.spec_for(setting, size, tmp_path, [tmp_path / "h.safetensors", tmp_path / "l.safetensors"],
@@ -78,10 +80,24 @@ def test_each_setting_asks_for_its_load(tmp_path, setting, size, want, absent):
         assert arg in command, (arg, command)
     for arg in absent:
         assert arg not in command, (arg, command)
-    assert spec.plugin is (setting == "ours") and spec.cgroup == tmp_path
+    assert spec.plugin is setting.startswith("ours") and spec.cgroup == tmp_path
     assert int(spec.env["VLLM_DIFFUSION_OMNI_CPU_DEVICES"]) >= size
-    if setting == "ours" and size > 1:
+    if setting.startswith("ours") and size > 1:
         extra = json.loads(command[command.index("--additional-config") + 1])
         assert extra == {"diffusion_hsdp": {"hsdp_weight_load": "rank_local"}}
-    with pytest.raises(ValueError, match="unknown setting"):
-        cap.spec_for("nope", size, tmp_path, [], name="x", cgroup=tmp_path, init_timeout_s=60)
+    for bad in ("nope", "nope-fp8"):
+        with pytest.raises(ValueError, match="unknown setting"):
+            cap.spec_for(bad, size, tmp_path, [], name="x", cgroup=tmp_path, init_timeout_s=60)
+
+
+@pytest.mark.parametrize("statuses, passes", [
+    ({"ours": "refused", "omni-fp8": "oom", "ours-fp8": "served"}, True),
+    ({"ours": "oom", "omni-fp8": "served", "ours-fp8": "served"}, False),  # vllm-omni's own fp8 load fitted
+    ({"omni": "oom", "ours": "served"}, True),
+    ({"omni": "failed", "ours": "served"}, False),  # a crash is not "does not fit"
+])
+def test_the_limit_goal_takes_the_leanest_of_ours(statuses, passes):
+    rows = [{"run": "limit", "setting": s, "status": st, "limit": 14 * cap.GiB, "S": 2, "blocks": 6}
+            for s, st in statuses.items()]
+    (goal,) = cap.judge(rows, {6: 1}, {})
+    assert goal["pass"] is passes, goal

@@ -58,9 +58,42 @@ def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
     plan = plan_load(model, options=options, world_size=world, hsdp=hsdp if world > 1 else None,
                      dtype=dtype if isinstance(dtype, torch.dtype) else torch.bfloat16, device_type=device_type,
                      lora_specs=[LoraSpec.parse(t, default_scale=options.lora_scale) for t in options.lora_path],
-                     lora_headers_only=True)  # checked by serve_options.check_lora_files and by each worker
+                     lora_headers_only=True,  # checked by serve_options.check_lora_files and by each worker
+                     quantization=_online_fp8(od_config))
     strategy = weight_load_strategy(options, od_config)
     return dataclasses.replace(plan, views_files=False), strategy if world > 1 else "full"
+
+
+ONLINE_FP8 = {"fp8": False, "torch_fp8": False, "torch_fp8_per_channel": True}
+"""Online quantization methods whose DiT linears end as an fp8 ``[out, in]`` weight and a scale (per channel or
+not): planned at their quantized size. Any other method is planned in the load dtype (an over-estimate)."""
+
+
+def _online_fp8(od_config: Any):
+    """The plan's ``quantization`` hook for the stage's online fp8 method (None: none, or another method): every
+    linear of the DiTs' FSDP blocks an online fp8 layer on the ``meta`` skeleton."""
+    from vllm_diffusion_plugin.doors.omni.serve_options import _get, _quant_name
+
+    quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
+    per_channel = ONLINE_FP8.get(_quant_name(quantization)) if quantization else None
+    if per_channel is None:
+        return None
+
+    def on_meta(module) -> None:
+        from torch import nn
+
+        from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear, Fp8RowMethod
+        from vllm_diffusion_plugin.engine.hsdp import select_blocks
+
+        class OnlineFp8(Fp8RowMethod):
+            uses_meta_device = True  # quantized after loading, as vLLM's online methods
+
+        blocks = tuple(f"{name}." for name in select_blocks(module).names)
+        for name, sub in module.named_modules():
+            if type(sub) is nn.Linear and name.startswith(blocks):
+                sub.__class__, sub.quant_method = Fp8Linear, OnlineFp8(per_channel)
+
+    return on_meta
 
 
 def _plan_or_none(options: Any, od_config: Any, *, model: str, device_type: str):
