@@ -28,6 +28,9 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from vllm_diffusion_plugin._logging import init_logger
+
+logger = init_logger(__name__)
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
 """Errors about the input or the environment: their message is the whole story (no traceback)."""
 STOP_GRACE_S = 5.0
@@ -81,7 +84,9 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
 def _wait(procs: list, workdir: Path) -> None:
     while True:
         alive = [p for p in procs if p.exitcode is None]
-        if any(p.exitcode not in (None, 0) for p in procs):
+        # a rank that wrote its error has failed, even before it is gone: its exit may wait for a read thread
+        # stuck in the kernel on a store that stopped answering
+        if any(p.exitcode not in (None, 0) for p in procs) or any(workdir.glob("error-rank*.json")):
             deadline = time.monotonic() + ECHO_GRACE_S  # the others' echoes, or their own deaths
             while (alive := [p for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
                 wait([p.sentinel for p in alive], timeout=max(0.0, deadline - time.monotonic()))
@@ -126,17 +131,27 @@ def _first_error(workdir: Path) -> dict | None:
 
 
 def stop(procs: list) -> None:
-    """Stop every live process: SIGTERM, then SIGKILL for those still alive after ``STOP_GRACE_S``."""
+    """Stop every live process: SIGTERM, then SIGKILL for those still alive after ``STOP_GRACE_S``. A process
+    still there ``STOP_GRACE_S`` after its SIGKILL is left (and said so): one of its threads waits in the kernel
+    for a read that a network or FUSE store never answers, which no signal ends (Linux waits out a FUSE request
+    the server already took); it ends when the store answers or is unmounted."""
     for proc in procs:
         if proc.exitcode is None:
             proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
+    killed = [proc for proc in procs if proc.exitcode is None]
+    for proc in killed:
+        proc.kill()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in killed:
+        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.exitcode is None:
-            proc.kill()
-            proc.join()
+            logger.warning("%s (pid %d) did not exit %g s after SIGKILL: a thread of it waits in the kernel for a "
+                           "read its store never answered; it ends when the store answers or is unmounted (e.g. "
+                           "umount -f / fusermount -u -z)", proc.name, proc.pid, STOP_GRACE_S)
+            multiprocessing.process._children.discard(proc)  # else the interpreter's exit joins it forever
 
 
 def _die_with_parent(parent: int) -> None:
