@@ -146,5 +146,5 @@ def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, s
     mounted = checkpoint / "transformer" / shard.name
     assert errors[0].startswith(f"vllm-diffusion: error: {mounted}") and "at byte" in errors[0], errors[0]
     offset = int(re.search(r" at byte (\d+)", errors[0]).group(1))
-    assert failed["offset"] - 4096 < offset < failed["offset"] + failed["size"], (offset, failed)
+    assert failed["offset"] <= offset < failed["offset"] + failed["size"], (offset, failed)  # the page that failed
     assert _left_behind([], tmp, out) == []

@@ -7,7 +7,9 @@ threads (the copies and page faults happen in torch and the kernel, outside the 
 the current one, and hands the results back **in job order**, so whatever the consumer does with them -- copy into
 parameters, fuse a LoRA, send a broadcast bucket -- happens exactly as with one thread: the loaded weights are
 bit-identical. At most ``max_bytes`` of jobs are read ahead of the consumer (a single larger job is read alone),
-so the memory a read-ahead holds is bounded whatever the checkpoint. ``threads=1`` reads inline, as before.
+so the memory a read-ahead holds is bounded whatever the checkpoint. ``threads=1`` reads inline, as before. The
+consumer waits at most ``read_timeout_s`` for one read (:func:`bounded_reads`), then fails naming the file and the
+offset: a store that stopped answering ends the load, though Linux keeps the stuck thread until the store answers.
 
 Two kinds of job use it: a safetensors tensor viewing a private mapping of its file (``full``, ``broadcast``, the
 vllm-omni door; :func:`fault_in` touches every page of it once), and this rank's rows of a tensor read with
@@ -198,11 +200,13 @@ def fault_in(tensor: torch.Tensor) -> None:
         start = tensor.data_ptr()
         if _madvise_populate(start, tensor.numel() * tensor.element_size()) == 0:
             return
-        if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):  # an older kernel: touch the pages
-            _populate["works"] = False
-        else:
+        failed = ctypes.get_errno()
+        if failed in (errno.EFAULT, errno.EIO):  # a page-in that touching would have answered with SIGBUS
             raise OSError(errno.EIO, f"I/O error under the mapping at byte {_first_bad_byte(tensor)} (a read of "
                                      f"the file failed)")
+        if failed in (errno.EINVAL, errno.ENOSYS):  # an older kernel: touch the pages from now on
+            _populate["works"] = False
+        # else (EINTR, ENOMEM, EAGAIN): touch them this time
     flat = tensor.detach().reshape(-1).view(torch.uint8)
     flat[::mmap.PAGESIZE].max()  # one byte per page: the kernel reads the page (and its readahead) here
     flat[-1].item()  # the last page, when the bytes do not start on a page boundary
@@ -218,12 +222,13 @@ def _first_bad_byte(tensor: torch.Tensor) -> int:
     """The file offset of the first page of ``tensor`` that cannot be read in (only after a failed populate)."""
     base = tensor.storage_offset() * tensor.element_size()  # the storage maps the file from byte 0
     start, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    step = max(mmap.PAGESIZE, 1 << 20)
-    for chunk in range(0, length, step):  # MiB by MiB, then page by page: only on this error path
-        if _madvise_populate(start + chunk, min(step, length - chunk)) != 0:
-            for at in range(chunk, min(chunk + step, length), mmap.PAGESIZE):
-                if _madvise_populate(start + at, min(mmap.PAGESIZE, length - at)) != 0:
-                    return base + at
+    first = start - start % mmap.PAGESIZE
+    step = 1 << 20
+    for chunk in range(first, start + length, step):  # MiB by MiB, then page by page: only on this error path
+        if _madvise_populate(chunk, min(step, start + length - chunk)) != 0:
+            for page in range(chunk, min(chunk + step, start + length), mmap.PAGESIZE):
+                if _madvise_populate(page, mmap.PAGESIZE) != 0:
+                    return base + max(0, page - start)
     return base
 
 
