@@ -82,7 +82,8 @@ def test_a_rank_sigkilled_mid_read_or_mid_broadcast_is_named_and_nothing_is_left
     request past the shard's last page takes 5 s), or kills rank 1 while it waits for rank 0's bucket (rank 0 held
     in a read that never answers). Before: ``rank N exited with code -9`` (no signal named) or the survivor's
     "Connection reset by peer" echo alone (``launcher._first_error`` took the earliest error file); and with the
-    reader stuck in its store, the launcher waited for it forever (``stop()`` joined a SIGKILLed process)."""
+    reader stuck in its store, the launcher waited for it forever (``stop()`` joined a SIGKILLed process). Seen on
+    main: the reader case printed rank 1's broadcast echo alone; the waiter case never exited."""
     mode = "slow" if victim == "reader" else "stall"
     with faulty_store(tiny_wan_dir, tmp_path, _shard(tiny_wan_dir), mode=mode) as (checkpoint, fault):
         proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "broadcast", "--verbose")
@@ -134,8 +135,8 @@ def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, 
 @pytest.mark.parametrize("strategy", ["full", "rank_local"])
 def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, strategy):
     """The store fails reads of one shard's last page with EIO. ``full`` views mapped files: before, the failed
-    page-in killed each rank with SIGBUS (``rank N exited with code -7``, no file named); ``rank_local`` ``pread``s:
-    before, the error named the file and the tensor but not the offset."""
+    page-in killed each rank with SIGBUS (``rank 0 exited with code -7``, no file named); ``rank_local`` ``pread``s:
+    before, ``[Errno 5] Input/output error``, naming nothing (both seen on main)."""
     shard = _shard(tiny_wan_dir)
     with faulty_store(tiny_wan_dir, tmp_path, shard, mode="eio") as (checkpoint, fault):
         proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", strategy)
