@@ -14,6 +14,9 @@
   handles it, and any exception in the launcher (``KeyboardInterrupt``, the CLI's SIGTERM exception) stops
   every rank -- SIGTERM, then SIGKILL after a grace period -- before it propagates. A rank also dies with its
   launcher (Linux ``PR_SET_PDEATHSIG``) should the launcher itself be killed outright.
+- A rank whose thread waits in the kernel for a read a store never answers cannot be ended by any signal (Linux
+  waits out a FUSE request its server took): a rank counts as failed once it wrote its error, and ``stop`` leaves a
+  rank still there after its SIGKILL, with a warning naming it, so the launcher itself returns.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 from vllm_diffusion_plugin._logging import init_logger
 
 logger = init_logger(__name__)
+
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
 """Errors about the input or the environment: their message is the whole story (no traceback)."""
 STOP_GRACE_S = 5.0
