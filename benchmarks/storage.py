@@ -267,8 +267,9 @@ def fuse_mount(folder: Path, where: Path, *, latency_ms: float = 0.0, fault: Rea
             raise Unavailable("the FUSE mount did not appear within 5 s")
         yield mountpoint / folder.name
     finally:
-        if subprocess.run(["fusermount", "-u", str(mountpoint)], capture_output=True).returncode:
-            subprocess.run(["fusermount", "-u", "-z", str(mountpoint)], capture_output=True)  # a reader still in it
+        if subprocess.run(["fusermount", "-u", str(mountpoint)], capture_output=True, check=False).returncode:
+            # a reader still in it (stuck in a stalled read): detach now, gone once the server stops below
+            subprocess.run(["fusermount", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
         server.terminate()
         try:
             server.wait(10)

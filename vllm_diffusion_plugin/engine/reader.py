@@ -96,7 +96,7 @@ class _Readers:
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(read(job))
-                except BaseException as exc:
+                except BaseException as exc:  # noqa: BLE001 -- handed to the consumer, as ThreadPoolExecutor does
                     future.set_exception(exc)
 
     def submit(self, read: Callable[[J], R], job: J) -> Future:
