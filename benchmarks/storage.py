@@ -8,7 +8,8 @@
   ``io.max`` on cgroup v2), pages evicted before each measurement;
 - ``latency``: a latency-bound store (network file systems, object-store mounts): a FUSE passthrough mount
   (``fusepy``, multithreaded, ``max_read`` 128 KiB) that delays every read request by ``latency_ms``, pages evicted
-  before each measurement.
+  before each measurement. The same mount can fail the reads of one file from a chosen byte on (``ReadFault``:
+  stall, EIO, slow), the store faults of ``tests/test_faults_store.py``.
 
 ``open_storage(kind, folder, workdir=...)`` yields a :class:`Storage` whose ``path`` shows ``folder`` through that
 kind and whose ``prepare()`` makes the next read cold (or warm); whatever it made is removed on exit, also after an
@@ -20,6 +21,7 @@ which the benchmarks report instead of a measurement.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -78,7 +80,7 @@ def open_storage(kind: str, folder: Path, *, workdir: Path, bandwidth_mbps: floa
             with _read_cap(device, int(bandwidth_mbps * 1e6)) as how:
                 yield _with_files(Storage(kind, path, note=f"{bandwidth_mbps:g} MB/s cap on {device} ({how})"))
     elif kind == "latency":
-        with _fuse_delay(folder, workdir / "latency", latency_ms) as path:
+        with fuse_mount(folder, workdir / "latency", latency_ms=latency_ms) as path:
             yield _with_files(Storage(kind, path, note=f"{latency_ms:g} ms per read request (FUSE)"))
     else:
         raise ValueError(f"unknown storage kind {kind!r}")
@@ -163,13 +165,14 @@ def _read_cap(device: str, bytes_per_s: int) -> Iterator[str]:
             (group.parent / "cgroup.procs").write_text(str(os.getpid()))
 
 
-FUSE_SERVER = r'''
-import os, sys, threading, time
-from fuse import FUSE, Operations
+FUSE_SERVER = r"""
+import errno, json, os, sys, threading, time
+from fuse import FUSE, FuseOSError, Operations, fuse_get_context
 
 class Delayed(Operations):
-    def __init__(self, root, delay):
-        self.root, self.delay = root, delay
+    def __init__(self, root, delay, fault):
+        self.root, self.delay, self.fault = root, delay, fault
+        self.stalled = threading.Event()  # never set: a stalled read waits until the server is stopped
     def _p(self, path):
         return os.path.join(self.root, path.lstrip("/"))
     def getattr(self, path, fh=None):
@@ -182,7 +185,25 @@ class Delayed(Operations):
         return os.open(self._p(path), os.O_RDONLY)
     def read(self, path, size, offset, fh):
         time.sleep(self.delay)
+        fault = self.fault
+        if fault and path.lstrip("/") == fault["file"] and offset + size > fault["offset"]:
+            self._mark(path, offset, size)
+            if fault["mode"] == "stall":
+                self.stalled.wait()
+            if fault["mode"] == "eio":
+                raise FuseOSError(errno.EIO)
+            time.sleep(5.0)  # slow: every request past the offset answers after 5 s
         return os.pread(fh, size, offset)
+    def _mark(self, path, offset, size):
+        pid = fuse_get_context()[2]  # the reading thread
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                pid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+        except (OSError, StopIteration):
+            pass
+        with open(self.fault["marker"] + ".tmp", "w") as f:
+            json.dump({"pid": pid, "path": path, "offset": offset, "size": size}, f)
+        os.replace(self.fault["marker"] + ".tmp", self.fault["marker"])
     def release(self, path, fh):
         os.close(fh)
     def statfs(self, path):
@@ -190,13 +211,35 @@ class Delayed(Operations):
         return {k: getattr(st, k) for k in ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree",
                                             "f_files", "f_flag", "f_frsize", "f_namemax")}
 
-FUSE(Delayed(sys.argv[1], float(sys.argv[3]) / 1000), sys.argv[2], foreground=True, nothreads=False, ro=True,
-     max_read=131072)
-'''
+fault = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
+more = {"max_readahead": 0} if fault else {}  # a fault: page-sized requests, so a header read never reaches it
+FUSE(Delayed(sys.argv[1], float(sys.argv[3]) / 1000, fault), sys.argv[2], foreground=True, nothreads=False, ro=True,
+     max_read=131072, **more)
+"""
+
+
+@dataclass(frozen=True)
+class ReadFault:
+    """What the FUSE store does to the reads of one file: ``file`` (relative to the mounted folder's parent, as
+    the mount shows it), from byte ``offset`` on: ``stall`` (the read never answers, until the server is stopped;
+    Linux then keeps the reading thread in an uninterruptible wait, SIGKILL or not), ``eio`` (the read fails with
+    EIO) or ``slow`` (each request answers after 5 s). Every such read writes ``marker`` (JSON: ``pid`` of the
+    reading process, ``path``, ``offset``, ``size`` of the request)."""
+
+    file: str
+    offset: int
+    mode: str
+    marker: Path
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("stall", "eio", "slow"):
+            raise ValueError(f"read fault mode must be stall, eio or slow, got {self.mode!r}")
 
 
 @contextlib.contextmanager
-def _fuse_delay(folder: Path, where: Path, latency_ms: float) -> Iterator[Path]:
+def fuse_mount(folder: Path, where: Path, *, latency_ms: float = 0.0, fault: ReadFault | None = None) -> Iterator[Path]:
+    """``folder`` shown through a FUSE passthrough mount under ``where`` (each read delayed by ``latency_ms``,
+    ``fault`` applied); yields the folder's path there. Unmounted and the server stopped on exit."""
     if not Path("/dev/fuse").exists():
         raise Unavailable("/dev/fuse is missing (no FUSE in this kernel or container)")
     if shutil.which("fusermount") is None and shutil.which("fusermount3") is None:
@@ -208,8 +251,11 @@ def _fuse_delay(folder: Path, where: Path, latency_ms: float) -> Iterator[Path]:
                           f"fuse libfuse2") from exc
     mountpoint = where / "mnt"
     mountpoint.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen([sys.executable, "-c", FUSE_SERVER, str(folder.parent), str(mountpoint),
-                               str(latency_ms)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = [sys.executable, "-c", FUSE_SERVER, str(folder.parent), str(mountpoint), str(latency_ms)]
+    if fault is not None:
+        argv.append(json.dumps({"file": fault.file, "offset": fault.offset, "mode": fault.mode,
+                                "marker": str(fault.marker)}))
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         for _ in range(100):
             if os.path.ismount(mountpoint):
@@ -221,9 +267,12 @@ def _fuse_delay(folder: Path, where: Path, latency_ms: float) -> Iterator[Path]:
             raise Unavailable("the FUSE mount did not appear within 5 s")
         yield mountpoint / folder.name
     finally:
-        subprocess.run(["fusermount", "-u", str(mountpoint)], capture_output=True)
+        if subprocess.run(["fusermount", "-u", str(mountpoint)], capture_output=True, check=False).returncode:
+            # a reader still in it (stuck in a stalled read): detach now, gone once the server stops below
+            subprocess.run(["fusermount", "-u", "-z", str(mountpoint)], capture_output=True, check=False)
         server.terminate()
         try:
             server.wait(10)
         except subprocess.TimeoutExpired:
             server.kill()
+            server.wait()

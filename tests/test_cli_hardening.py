@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from proc_utils import alive, children, is_rank
 from safetensors.torch import load_file, save_file
 
 from vllm_diffusion_plugin.doors import cli
@@ -261,29 +262,6 @@ def test_a_failed_save_leaves_nothing_half_written(wan_with_scheduler, tmp_path,
 
 
 # ---- 5. interrupts --------------------------------------------------------------------------------------
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-def _is_rank(pid: int) -> bool:
-    try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.multiproc
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -294,7 +272,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_writes_nothing(tiny_wan_d
     try:
         deadline, ranks = time.monotonic() + 120, []
         while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            ranks = [p for p in _children(proc.pid) if _is_rank(p)]
+            ranks = [p for p in children(proc.pid) if is_rank(p)]
             time.sleep(0.05)
         assert len(ranks) == 2, f"ranks did not start: {proc.poll()} {proc.stderr.read() if proc.poll() else ''}"
         time.sleep(1.0)  # the ranks are importing / loading
@@ -307,7 +285,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_writes_nothing(tiny_wan_d
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "interrupted" in error_lines(err)[-1]
     time.sleep(0.5)
-    assert [p for p in ranks if _alive(p)] == []
+    assert [p for p in ranks if alive(p)] == []
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

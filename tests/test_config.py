@@ -43,6 +43,8 @@ def test_wrong_type_names_key_and_expected_type(key, value, expected):
     ({"hsdp_shard_size": 0}, "hsdp_shard_size must be positive or -1, got 0"),
     ({"hsdp_replicate_size": -2}, "hsdp_replicate_size must be positive, got -2"),
     ({"lora_device_chunk_mb": 0}, "lora_device_chunk_mb must be positive"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s must be positive, got 0"),
+    ({"read_timeout_s": -1}, "read_timeout_s must be positive, got -1"),
 ])
 def test_bad_values(extra, match):
     with pytest.raises(ValueError, match=match):
@@ -52,3 +54,14 @@ def test_bad_values(extra, match):
 def test_vllm_owned_keys_pass_through():
     options = LoadOptions.from_extra_config({"is_draft": True})
     assert options.extra == {"is_draft": True}
+
+
+def test_the_cli_flags_then_the_env_set_the_collective_and_read_timeouts(monkeypatch):
+    from vllm_diffusion_plugin.doors import cli
+
+    monkeypatch.setenv("VLLM_DIFFUSION_COLLECTIVE_TIMEOUT_S", "12.5")
+    monkeypatch.setenv("VLLM_DIFFUSION_READ_TIMEOUT_S", "30")
+    env_only = cli._options(cli._parser().parse_args(["load", "x"]))
+    assert (env_only.collective_timeout_s, env_only.read_timeout_s) == (12.5, 30.0)
+    flags = cli._options(cli._parser().parse_args(["load", "x", "--collective-timeout", "42", "--read-timeout", "7"]))
+    assert (flags.collective_timeout_s, flags.read_timeout_s) == (42.0, 7.0)

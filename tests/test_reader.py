@@ -96,6 +96,32 @@ def test_a_consumer_leaving_early_stops_the_reads():
     assert not read_threads_alive()
 
 
+def test_a_read_that_never_answers_fails_the_consumer_naming_it_and_the_thread_is_left_as_a_daemon():
+    """Before: the consumer waited for the read forever, and so did the interpreter's exit (``ThreadPoolExecutor``
+    joins its threads)."""
+    release = threading.Event()
+
+    def read(job: int) -> int:
+        if job == 3:
+            release.wait()  # a store that stopped answering
+        return job
+
+    got, started = [], time.monotonic()
+    with reader.bounded_reads(0.5), pytest.raises(reader.ReadTimeoutError) as info:
+        for job, _ in reader.read_ahead(range(10), read, threads=2, nbytes=lambda j: 1,
+                                        where=lambda j: f"shard.safetensors at byte {j * 100}"):
+            got.append(job)
+    assert got == [0, 1, 2]
+    assert str(info.value).startswith("shard.safetensors at byte 300: no answer within 0.5 s (read_timeout_s)")
+    assert time.monotonic() - started < 60  # generous: not the stuck read's lifetime
+    stuck = [t for t in threading.enumerate() if t.name.startswith(reader.THREAD_NAME) and t.is_alive()]
+    assert stuck and all(t.daemon for t in stuck)  # the process's exit does not wait for it
+    release.set()
+    for thread in stuck:
+        thread.join(10)
+    assert not read_threads_alive()
+
+
 def test_thread_counts_below_one_are_refused():
     with pytest.raises(ValueError, match="read threads must be >= 1"):
         list(reader.read_ahead([1], lambda j: j, threads=0, nbytes=lambda j: 1))

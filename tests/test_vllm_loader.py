@@ -254,3 +254,47 @@ def test_a_shard_changed_between_its_header_and_its_bytes_is_named(tmp_path):
         result = torch.load(out / f"{mode}.pt", weights_only=False)
         assert result.get("error_type") == "CheckpointChangedError", result
         assert "model.safetensors changed while the load of" in result["error"] and how in result["error"], result
+
+
+def test_a_failing_or_stalled_store_is_named_in_the_vllm_door(tmp_path):
+    """Issue 36 part 2 in the vLLM door (in-process ``get_model``): the model's file served by a FUSE store that
+    fails (EIO) or never answers (``read_timeout_s`` 5) reads of its last page is named with the offset. Before: the
+    EIO killed the process with SIGBUS (a mapped page-in), the stall hung ``get_model`` forever."""
+    import contextlib
+    import shutil
+    import time
+
+    from fuse_store import faulty_store
+
+    paths = write_tiny_llama(tmp_path)
+    spec, shards = [], {}
+    with contextlib.ExitStack() as stack:
+        for mode in ("eio", "stall"):
+            model = shutil.copytree(paths["base"], tmp_path / mode / "model")
+            shards[mode] = model / "model.safetensors"
+            mounted, _ = stack.enter_context(faulty_store(model, tmp_path / mode, shards[mode], mode=mode))
+            spec.append({"name": mode, "model": str(mounted), "load_format": "diffusion-hsdp",
+                         "extra": {"read_timeout_s": 5}})
+            shards[mode] = mounted / "model.safetensors"
+        (tmp_path / "spec.json").write_text(json.dumps(spec))
+        out = tmp_path / "out"
+        out.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
+        with open(tmp_path / "stderr", "w") as stderr:  # a file: the stalled read holds it until the store is gone
+            proc = subprocess.Popen([sys.executable, str(SCENARIOS), str(tmp_path / "spec.json"), str(out)], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + 600
+        while not (out / "stall.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # leaving the block unmounts the stores: the process, its read thread stuck in the stalled one, can end
+    try:
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+    eio, stall = (torch.load(out / f"{mode}.pt", weights_only=False) for mode in ("eio", "stall"))
+    assert eio.get("error_type") == "CheckpointError", eio
+    assert str(shards["eio"]) in eio["error"] and "I/O error under the mapping at byte" in eio["error"], eio
+    assert stall.get("error_type") == "ReadTimeoutError", stall
+    assert str(shards["stall"]) in stall["error"] and "no answer within 5 s (read_timeout_s)" in stall["error"], stall

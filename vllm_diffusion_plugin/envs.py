@@ -146,6 +146,18 @@ ENV_VARS: dict[str, EnvVar] = {
             _parse_float, extra_config_key="hsdp_broadcast_timeout_s",
         ),
         EnvVar(
+            "VLLM_DIFFUSION_COLLECTIVE_TIMEOUT_S", "float", 300.0,
+            "Seconds any collective of the CLI's process group may take before it fails (a peer died or "
+            "stalled).",
+            _parse_float, extra_config_key="collective_timeout_s",
+        ),
+        EnvVar(
+            "VLLM_DIFFUSION_READ_TIMEOUT_S", "float", 300.0,
+            "Seconds the load waits for one read of the read threads before failing with the file and offset "
+            "(a store that stopped answering).",
+            _parse_float, extra_config_key="read_timeout_s",
+        ),
+        EnvVar(
             "VLLM_DIFFUSION_READ_THREADS", "int", 4,
             "Threads reading checkpoint bytes ahead of the load (1: the loading thread alone); under vllm-omni, "
             "vllm-omni's own num_weight_load_threads when unset.",

@@ -4,6 +4,7 @@
                             [--nproc N] [--hsdp-shard-size S] [--hsdp-replicate-size R]
                             [--device auto|cpu|cuda|npu] [--dtype bfloat16|float16|float32]
                             [--hsdp-weight-load full|broadcast|rank_local] [--read-threads N]
+                            [--collective-timeout S] [--read-timeout S]
                             [--save-fused OUT_DIR]
                             [--allow-pickle] [--json] [--verbose]
     vllm-diffusion plan DIR [the options of load but --save-fused] [--host-memory SIZE] [--device-memory SIZE]
@@ -22,6 +23,7 @@ after the signal (``--save-fused`` output appears only complete, by one rename a
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -94,6 +96,12 @@ def _add_shared_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--read-threads", type=int, default=None, metavar="N",
                    help="threads reading checkpoint bytes ahead of the load (1: one); unset: "
                         "VLLM_DIFFUSION_READ_THREADS or 4")
+    p.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                   help="seconds any collective between the ranks may take before the load fails (a rank died or "
+                        "stalled); unset: VLLM_DIFFUSION_COLLECTIVE_TIMEOUT_S or 300")
+    p.add_argument("--read-timeout", type=float, default=None, metavar="S",
+                   help="seconds the load waits for one read of the read threads before failing with the file and "
+                        "offset (a store that stopped answering); unset: VLLM_DIFFUSION_READ_TIMEOUT_S or 300")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept .bin/.pt weights (read with torch.load(weights_only=True)); unset: "
                         "VLLM_DIFFUSION_ALLOW_PICKLE decides")
@@ -120,6 +128,9 @@ def _options(args: argparse.Namespace):
         extra["hsdp_weight_load"] = args.hsdp_weight_load
     if args.read_threads is not None:
         extra["read_threads"] = args.read_threads
+    for key in ("collective_timeout", "read_timeout"):
+        if getattr(args, key) is not None:
+            extra[f"{key}_s"] = getattr(args, key)
     if getattr(args, "preflight", None) is not None:  # load's flag; plan has none
         extra["preflight"] = args.preflight
     return LoadOptions.from_extra_config(extra)
@@ -229,11 +240,18 @@ def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: s
     if world_size > 1 and not dist.is_initialized():
         if device.type != "cpu":
             getattr(torch, device.type).set_device(device)
+        options = _options(args)
+        timeout = datetime.timedelta(seconds=options.collective_timeout_s)
         if init_method is None:  # torchrun: its env:// rendezvous
-            dist.init_process_group(platform.dist_backend(device))
+            dist.init_process_group(platform.dist_backend(device), timeout=timeout)
         else:  # spawned ranks: a file store, no port to pick and race for
             dist.init_process_group(platform.dist_backend(device), init_method=init_method,
-                                    rank=int(os.environ["RANK"]), world_size=world_size)
+                                    rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
+        from vllm_diffusion_plugin._logging import init_logger
+
+        init_logger(__name__).info("Rank %d of %d joined the process group (%s): collective timeout %g s, read "
+                                   "timeout %g s", dist.get_rank(), world_size, dist.get_backend(),
+                                   options.collective_timeout_s, options.read_timeout_s)
         started_dist = True
     try:
         options = _options(args)

@@ -5,10 +5,18 @@
 - A rank that raises writes its error as one line (``error_line``) to the work folder and exits 1; the
   launcher then stops the other ranks and raises ``RankError`` with the earliest error written, the same text
   the 1-rank path prints -- not ``ProcessRaisedException`` tracebacks.
+- A rank that dies of a signal (SIGKILL: the OOM killer or ``kill -9``; SIGBUS; SIGSEGV) writes nothing, and its
+  peers' collectives then fail with an echo ("Connection reset by peer") that may reach the work folder before
+  the launcher sees the death. Such a death is the cause: once a rank failed, the launcher gives the others
+  ``ECHO_GRACE_S`` to end, then names the rank and the signal first and the earliest error written after it
+  (``rank 1 died of SIGKILL (out of memory or killed from outside); then rank 0: ...``).
 - The ranks ignore SIGINT (a Ctrl-C at a terminal reaches the whole process group): the launcher alone
   handles it, and any exception in the launcher (``KeyboardInterrupt``, the CLI's SIGTERM exception) stops
   every rank -- SIGTERM, then SIGKILL after a grace period -- before it propagates. A rank also dies with its
   launcher (Linux ``PR_SET_PDEATHSIG``) should the launcher itself be killed outright.
+- A rank whose thread waits in the kernel for a read a store never answers cannot be ended by any signal (Linux
+  waits out a FUSE request its server took): a rank counts as failed once it wrote its error, and ``stop`` leaves a
+  rank still there after its SIGKILL, with a warning naming it, so the launcher itself returns.
 """
 
 from __future__ import annotations
@@ -23,9 +31,23 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
+from vllm_diffusion_plugin._logging import init_logger
+
+logger = init_logger(__name__)
+
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
 """Errors about the input or the environment: their message is the whole story (no traceback)."""
 STOP_GRACE_S = 5.0
+ECHO_GRACE_S = 2.0
+"""Seconds the launcher waits, after a rank failed, for the others to end before it says which failed first."""
+SIGNAL_CAUSES = {
+    signal.SIGKILL: "out of memory or killed from outside",
+    signal.SIGBUS: "an I/O error under a mapped file, or a file truncated under its mapping",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGABRT: "aborted by native code",
+    signal.SIGTERM: "terminated from outside",
+}
+"""What a rank's death by each signal usually means, said after the signal's name."""
 
 
 class RankError(RuntimeError):
@@ -66,16 +88,41 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
 def _wait(procs: list, workdir: Path) -> None:
     while True:
         alive = [p for p in procs if p.exitcode is None]
-        failed = [p for p in procs if p.exitcode not in (None, 0)]
-        if failed:
-            raise RankError(_first_error(workdir) or ", ".join(
-                f"rank {procs.index(p)} exited with code {p.exitcode}" for p in failed))
+        # a rank that wrote its error has failed, even before it is gone: its exit may wait for a read thread
+        # stuck in the kernel on a store that stopped answering
+        if any(p.exitcode not in (None, 0) for p in procs) or any(workdir.glob("error-rank*.json")):
+            deadline = time.monotonic() + ECHO_GRACE_S  # the others' echoes, or their own deaths
+            while (alive := [p for p in procs if p.exitcode is None]) and time.monotonic() < deadline:
+                wait([p.sentinel for p in alive], timeout=max(0.0, deadline - time.monotonic()))
+            raise RankError(_cause(procs, workdir))
         if not alive:
             return
         wait([p.sentinel for p in alive], timeout=1.0)
 
 
-def _first_error(workdir: Path) -> str | None:
+def _cause(procs: list, workdir: Path) -> str:
+    """One line: the ranks that died of a signal (they wrote nothing; their peers' errors echo them), then the
+    earliest error a rank wrote; else each failed rank's exit code."""
+    killed = [f"rank {rank} died of {_signal_words(-p.exitcode)}" for rank, p in enumerate(procs)
+              if p.exitcode is not None and p.exitcode < 0 and not (workdir / f"error-rank{rank}.json").exists()]
+    written = _first_error(workdir)
+    if killed:
+        return "; ".join(killed) + (f"; then rank {written['rank']}: {written['message']}" if written else "")
+    if written:
+        return written["message"]
+    return ", ".join(f"rank {rank} exited with code {p.exitcode}" for rank, p in enumerate(procs)
+                     if p.exitcode not in (None, 0))
+
+
+def _signal_words(signum: int) -> str:
+    try:
+        sig = signal.Signals(signum)
+    except ValueError:
+        return f"signal {signum}"
+    return f"{sig.name} ({SIGNAL_CAUSES[sig]})" if sig in SIGNAL_CAUSES else sig.name
+
+
+def _first_error(workdir: Path) -> dict | None:
     errors = []
     for path in workdir.glob("error-rank*.json"):
         try:
@@ -84,21 +131,31 @@ def _first_error(workdir: Path) -> str | None:
             continue  # written while the rank was stopped
     if not errors:
         return None
-    return min(errors, key=lambda e: (e["time"], e["rank"]))["message"]  # the cause precedes its echoes
+    return min(errors, key=lambda e: (e["time"], e["rank"]))  # the cause precedes its echoes
 
 
 def stop(procs: list) -> None:
-    """Stop every live process: SIGTERM, then SIGKILL for those still alive after ``STOP_GRACE_S``."""
+    """Stop every live process: SIGTERM, then SIGKILL for those still alive after ``STOP_GRACE_S``. A process
+    still there ``STOP_GRACE_S`` after its SIGKILL is left (and said so): one of its threads waits in the kernel
+    for a read that a network or FUSE store never answers, which no signal ends (Linux waits out a FUSE request
+    the server already took); it ends when the store answers or is unmounted."""
     for proc in procs:
         if proc.exitcode is None:
             proc.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
+    killed = [proc for proc in procs if proc.exitcode is None]
+    for proc in killed:
+        proc.kill()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in killed:
+        proc.join(max(0.0, deadline - time.monotonic()))
         if proc.exitcode is None:
-            proc.kill()
-            proc.join()
+            logger.warning("%s (pid %d) did not exit %g s after SIGKILL: a thread of it waits in the kernel for a "
+                           "read its store never answered; it ends when the store answers or is unmounted (e.g. "
+                           "umount -f / fusermount -u -z)", proc.name, proc.pid, STOP_GRACE_S)
+            multiprocessing.process._children.discard(proc)  # else the interpreter's exit joins it forever
 
 
 def _die_with_parent(parent: int) -> None:

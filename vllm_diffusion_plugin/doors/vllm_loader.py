@@ -70,11 +70,12 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         from vllm_diffusion_plugin.engine.weights import load_into_module
 
         from vllm_diffusion_plugin.engine import integrity
+        from vllm_diffusion_plugin.engine.reader import bounded_reads
 
         source = self._source(model_config)
         stamps = integrity.stamp(source.files)  # a shard truncated or replaced from here on is named
         loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
-        with integrity.unchanged(stamps, component=source.name):
+        with integrity.unchanged(stamps, component=source.name), bounded_reads(self.options.read_timeout_s):
             result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
                                       threads=self.options.threads, staging=self._staging(model))
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),

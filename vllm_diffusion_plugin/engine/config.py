@@ -48,6 +48,14 @@ class LoadOptions:
     """Upper bound (MiB) on one broadcast bucket (``broadcast``); tensors are sent in single-dtype buckets."""
     hsdp_broadcast_timeout_s: float = 300.0
     """Seconds any rank waits for one broadcast collective before failing (a peer died or stalled)."""
+    collective_timeout_s: float = 300.0
+    """Seconds any collective of the CLI's process group may take before it fails on every rank waiting in it
+    (``init_process_group(timeout=...)``: the strategies' exchanges, FSDP's all-gathers on a ``(1, S)`` mesh, the
+    report's gather): a peer that died or stalled fails the load in this time, not torch's 30 min. The vLLM and
+    vllm-omni doors load in their framework's world, whose groups they create."""
+    read_timeout_s: float = 300.0
+    """Seconds the load waits for one read handed to the read threads (a tensor, a range of rows, a staging
+    buffer) before it fails naming the file and the offset: a store that stopped answering (``engine.reader``)."""
     read_threads: int | None = None
     """Threads reading checkpoint bytes ahead of the load, results in checkpoint order (``engine.reader``);
     1 reads on the loading thread alone. Unset: 4 (:attr:`threads`), except behind vllm-omni's door, which
@@ -126,6 +134,9 @@ class LoadOptions:
                              f"got {self.lora_host_weights!r}")
         if self.preflight not in PREFLIGHT_MODES:
             raise ValueError(f"preflight must be one of {', '.join(PREFLIGHT_MODES)}, got {self.preflight!r}")
+        for key in ("collective_timeout_s", "read_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
         if not self.hsdp_broadcast_timeout_s > 0:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 

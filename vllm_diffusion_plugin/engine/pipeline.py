@@ -176,7 +176,7 @@ def load_components(
     """
     from vllm_diffusion_plugin.engine import pressure
     from vllm_diffusion_plugin.engine.hsdp import build_mesh
-    from vllm_diffusion_plugin.engine.reader import DeviceStaging
+    from vllm_diffusion_plugin.engine.reader import DeviceStaging, bounded_reads
     from vllm_diffusion_plugin.engine.skeleton import component_class
     from vllm_diffusion_plugin.engine.strategies import LoadContext, check_strategy
     from vllm_diffusion_plugin.engine.strategies.broadcast import open_channel
@@ -217,7 +217,8 @@ def load_components(
         loaded = LoadedComponents({}, {s.name: s for s in sources}, report, progress=progress)
         for source in sources:
             files = [(str(s.path), s.scale) for s in loras.get(source.name, [])]
-            with integrity.unchanged(stamps[source.name], component=source.name):  # a shard truncated or replaced: named
+            with integrity.unchanged(stamps[source.name], component=source.name), \
+                    bounded_reads(options.read_timeout_s):  # a shard truncated or replaced, a stalled store: named
                 loaded.modules[source.name] = step.load(source, is_dit=source.name in transformers,
                                                         lora_files=files, shard_reports=loaded.shard_reports)
         step.close()  # not after a failure: a group with a dead or stalled peer may block in its teardown

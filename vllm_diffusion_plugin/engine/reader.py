@@ -7,7 +7,9 @@ threads (the copies and page faults happen in torch and the kernel, outside the 
 the current one, and hands the results back **in job order**, so whatever the consumer does with them -- copy into
 parameters, fuse a LoRA, send a broadcast bucket -- happens exactly as with one thread: the loaded weights are
 bit-identical. At most ``max_bytes`` of jobs are read ahead of the consumer (a single larger job is read alone),
-so the memory a read-ahead holds is bounded whatever the checkpoint. ``threads=1`` reads inline, as before.
+so the memory a read-ahead holds is bounded whatever the checkpoint. ``threads=1`` reads inline, as before. The
+consumer waits at most ``read_timeout_s`` for one read (:func:`bounded_reads`), then fails naming the file and the
+offset: a store that stopped answering ends the load, though Linux keeps the stuck thread until the store answers.
 
 Two kinds of job use it: a safetensors tensor viewing a private mapping of its file (``full``, ``broadcast``, the
 vllm-omni door; :func:`fault_in` touches every page of it once), and this rank's rows of a tensor read with
@@ -21,11 +23,21 @@ are read, and the events that say when a buffer may be filled again. Strategies 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import ctypes
+import errno
+import functools
 import mmap
 import os
+import queue
+import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,63 +57,184 @@ DEFAULT_AHEAD_BYTES = 256 << 20
 THREAD_NAME = "diffusion-hsdp-read"
 
 
+DEFAULT_READ_TIMEOUT_S = 300.0
+"""Seconds the consumer waits for one read of the read threads (``read_timeout_s``) when no load set it."""
+_read_timeout_s: contextvars.ContextVar[float] = contextvars.ContextVar("read_timeout_s",
+                                                                       default=DEFAULT_READ_TIMEOUT_S)
+
+
+class ReadTimeoutError(TimeoutError):
+    """A read handed to the read threads did not complete within ``read_timeout_s``; the message names the file
+    and the offset. The thread stays blocked in the kernel (no signal ends a read a FUSE server took); it is a
+    daemon thread, so the process's exit does not wait for it -- though Linux may, until the store answers."""
+
+
+@contextlib.contextmanager
+def bounded_reads(timeout_s: float) -> Iterator[None]:
+    """Within this block (this thread and context), :func:`read_ahead` waits at most ``timeout_s`` for one read."""
+    token = _read_timeout_s.set(float(timeout_s))
+    try:
+        yield
+    finally:
+        _read_timeout_s.reset(token)
+
+
+class _Readers:
+    """``threads`` daemon threads running submitted reads in order. Not ``ThreadPoolExecutor``: its threads are
+    joined at the interpreter's exit, forever when one is stuck in a read that a store never answers."""
+
+    def __init__(self, threads: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{THREAD_NAME}_{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, read, job = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(read(job))
+                except BaseException as exc:  # noqa: BLE001 -- handed to the consumer, as ThreadPoolExecutor does
+                    future.set_exception(exc)
+
+    def submit(self, read: Callable[[J], R], job: J) -> Future:
+        future: Future = Future()
+        self._queue.put((future, read, job))
+        return future
+
+    def close(self, *, wait_s: float) -> None:
+        """Stop the threads once their current read ends, waiting at most ``wait_s`` for each."""
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def read_ahead(jobs: Iterable[J], read: Callable[[J], R], *, threads: int, nbytes: Callable[[J], int],
-               max_bytes: int = DEFAULT_AHEAD_BYTES, max_jobs: int | None = None) -> Iterator[tuple[J, R]]:
+               max_bytes: int = DEFAULT_AHEAD_BYTES, max_jobs: int | None = None,
+               where: Callable[[J], str] | None = None) -> Iterator[tuple[J, R]]:
     """``(job, read(job))`` for every job, in job order, with up to ``threads`` reads running ahead of the
     consumer and at most ``max_bytes`` (by ``nbytes(job)``) and ``max_jobs`` (default ``2 * threads``) jobs read
     but not yet handed back. A job is started only once every job ``max_jobs`` or more places before it was
     handed back and the consumer asked for the next one (what :class:`DeviceStaging` reuses its buffers by).
 
-    A read's exception is raised to the consumer when it reaches that job; leaving early (an exception in the
-    consumer, ``close()``) cancels the reads not started and waits for the running ones, so no thread outlives
-    the iteration."""
+    A read's exception is raised to the consumer when it reaches that job. The consumer waits at most the read
+    timeout (:func:`bounded_reads`, default ``DEFAULT_READ_TIMEOUT_S``) for one job, then raises
+    :class:`ReadTimeoutError` naming it by ``where(job)`` (the file and the offset). Leaving early (an exception in
+    the consumer, ``close()``) cancels the reads not started and waits for the running ones -- up to the read
+    timeout: a thread stuck in the kernel is left behind (a daemon). ``threads=1`` reads inline, unbounded."""
     if threads < 1:
         raise ValueError(f"read threads must be >= 1, got {threads}")
     if threads == 1:
         for job in jobs:
             yield job, read(job)
         return
+    timeout_s = _read_timeout_s.get()
     pending: deque[tuple[J, int, Future]] = deque()
-    ahead = 0
-    with ThreadPoolExecutor(threads, thread_name_prefix=THREAD_NAME) as pool:
+    ahead, stuck = 0, []
+
+    def result(job: J, future: Future) -> R:
         try:
-            for job in jobs:
-                size = nbytes(job)
-                while pending and (ahead + size > max_bytes or len(pending) >= (max_jobs or 2 * threads)):
-                    done, done_size, future = pending.popleft()
-                    ahead -= done_size
-                    yield done, future.result()
-                pending.append((job, size, pool.submit(read, job)))
-                ahead += size
-            while pending:
-                done, _, future = pending.popleft()
-                yield done, future.result()
-        finally:
-            for _, _, future in pending:
-                future.cancel()
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            stuck.append(job)
+            what = where(job) if where is not None else f"a read of {nbytes(job)} bytes"
+            raise ReadTimeoutError(f"{what}: no answer within {timeout_s:g} s (read_timeout_s): the store stopped "
+                                   f"answering; the load gives up (a read thread stays blocked in the kernel "
+                                   f"until the store answers)") from None
+
+    readers = _Readers(threads)
+    try:
+        for job in jobs:
+            size = nbytes(job)
+            while pending and (ahead + size > max_bytes or len(pending) >= (max_jobs or 2 * threads)):
+                done, done_size, future = pending.popleft()
+                ahead -= done_size
+                yield done, result(done, future)
+            pending.append((job, size, readers.submit(read, job)))
+            ahead += size
+        while pending:
+            done, _, future = pending.popleft()
+            yield done, result(done, future)
+    finally:
+        for _, _, future in pending:
+            future.cancel()
+        readers.close(wait_s=0.0 if stuck else timeout_s)
 
 
 def pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
-    """Fill the contiguous CPU tensor ``dst`` with the file's bytes at ``offset`` (no mmap, no extra copy)."""
+    """Fill the contiguous CPU tensor ``dst`` with the file's bytes at ``offset`` (no mmap, no extra copy); an
+    I/O error names the file and the byte it failed at."""
     from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
 
     view = memoryview(dst.detach().view(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise CheckpointError(f"{file}: {exc.strerror or exc} reading {len(view) - done} bytes at byte "
+                                  f"{offset + done} (errno {exc.errno})") from exc
         if n <= 0:
             raise CheckpointError(f"{file}: unexpected end of file at byte {offset + done} (truncated since it "
                                   f"was resolved?)")
         done += n
 
 
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault pages in, an I/O error returned as EFAULT instead of a SIGBUS
+_populate = {"works": sys.platform.startswith("linux")}
+
+
 def fault_in(tensor: torch.Tensor) -> None:
-    """Touch every page of a tensor viewing a mapped file once, so the consumer's copy finds it in memory."""
+    """Read every page of a tensor viewing a mapped file into memory, so the consumer's copy finds it there.
+
+    On Linux 5.14+ with ``madvise(MADV_POPULATE_READ)``: an I/O error under the mapping (a store failing a read)
+    raises ``OSError`` naming the byte offset in the file (the mapping starts at byte 0), where touching the pages
+    would kill the process with SIGBUS. Elsewhere one byte per page is touched."""
     if tensor.numel() == 0 or not tensor.is_contiguous():
         return
+    if _populate["works"]:
+        start = tensor.data_ptr()
+        if _madvise_populate(start, tensor.numel() * tensor.element_size()) == 0:
+            return
+        failed = ctypes.get_errno()
+        if failed in (errno.EFAULT, errno.EIO):  # a page-in that touching would have answered with SIGBUS
+            raise OSError(errno.EIO, f"I/O error under the mapping at byte {_first_bad_byte(tensor)} (a read of "
+                                     f"the file failed)")
+        if failed in (errno.EINVAL, errno.ENOSYS):  # an older kernel: touch the pages from now on
+            _populate["works"] = False
+        # else (EINTR, ENOMEM, EAGAIN): touch them this time
     flat = tensor.detach().reshape(-1).view(torch.uint8)
     flat[::mmap.PAGESIZE].max()  # one byte per page: the kernel reads the page (and its readahead) here
     flat[-1].item()  # the last page, when the bytes do not start on a page boundary
+
+
+def _madvise_populate(address: int, length: int) -> int:
+    libc = _libc()
+    page = address - address % mmap.PAGESIZE
+    return libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(length + address - page), _MADV_POPULATE_READ)
+
+
+def _first_bad_byte(tensor: torch.Tensor) -> int:
+    """The file offset of the first page of ``tensor`` that cannot be read in (only after a failed populate)."""
+    base = tensor.storage_offset() * tensor.element_size()  # the storage maps the file from byte 0
+    start, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    first = start - start % mmap.PAGESIZE
+    step = 1 << 20
+    for chunk in range(first, start + length, step):  # MiB by MiB, then page by page: only on this error path
+        if _madvise_populate(chunk, min(step, start + length - chunk)) != 0:
+            for page in range(chunk, min(chunk + step, start + length), mmap.PAGESIZE):
+                if _madvise_populate(page, mmap.PAGESIZE) != 0:
+                    return base + max(0, page - start)
+    return base
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 # ---- onto an accelerator: a bounded ring of page-locked buffers and a copy stream -------------------------------
@@ -115,12 +248,14 @@ _fallback_logged: set[tuple[str, str]] = set()
 class StagedCopy:
     """One host->device copy: the bytes ``fill(buffer, start)`` writes (bytes ``[start, start + len(buffer))`` of
     the source, in the source's ``dtype``) land in the contiguous device tensor ``dst``, cast on the device where
-    ``dst``'s dtype differs. ``tag`` is handed back once the copy was issued."""
+    ``dst``'s dtype differs. ``tag`` is handed back once the copy was issued; ``where`` names the source."""
 
     dst: torch.Tensor
     dtype: torch.dtype
     fill: Callable[[torch.Tensor, int], None]
     tag: Any = None
+    where: Callable[[int], str] | None = None
+    """Names the source at byte ``start`` in errors (``"<file> at byte N"``)."""
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +275,12 @@ class _Chunk:
     nbytes: int
     slot: int
     last: bool
+
+
+def _chunk_where(chunk: _Chunk) -> str:
+    if chunk.copy.where is not None:
+        return chunk.copy.where(chunk.start)
+    return f"a staged read of {chunk.nbytes} bytes into {tuple(chunk.copy.dst.shape)} at byte {chunk.start}"
 
 
 class DeviceStaging:
@@ -210,7 +351,7 @@ class DeviceStaging:
 
         try:
             for chunk, _ in read_ahead(chunks(), read, threads=threads, nbytes=lambda c: c.nbytes,
-                                       max_bytes=slots * self.slot_bytes, max_jobs=slots):
+                                       max_bytes=slots * self.slot_bytes, max_jobs=slots, where=_chunk_where):
                 item = chunk.copy
                 with platform.on_stream(self.device, self._stream):
                     if chunk.start == 0:  # the destination's memory may have served the current stream before

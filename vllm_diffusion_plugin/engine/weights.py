@@ -189,6 +189,12 @@ class _FileReads:
         return lambda buffer, start: _named(info.file, key, pread_into, fd, data_start + info.offset + start,
                                             buffer, info.file)
 
+    def where(self, key: str):
+        """``StagedCopy.where`` for ``key`` (after ``fill(key)``): its file and the byte a chunk starts at."""
+        info = self.source.tensors[key]
+        data_start = self._open[info.file][1]
+        return lambda start: f"{info.file} at byte {data_start + info.offset + start} (tensor {key!r})"
+
     def _descriptor(self, file: Path) -> tuple[int, int]:
         if file not in self._open:
             from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
@@ -222,9 +228,15 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
     items = ((file, key, tensor) for file, file_keys in plan
              for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
 
-    def read(item: tuple[Path, str, torch.Tensor]) -> None:  # one thread: the consumer reads as it copies
+    def read(item: tuple[Path, str, torch.Tensor]) -> None:
+        # threads: the pages are read in here, an I/O error named (reader.fault_in); one thread: the consumer's
+        # copy reads them (a failed page-in there is a SIGBUS)
         if parallel:
             _named(*item[:2], reader.fault_in, item[2])
+
+    def where(item: tuple[Path, str, torch.Tensor]) -> str:
+        file, key, tensor = item
+        return f"{file} at byte {tensor.storage_offset() * tensor.element_size()} (tensor {key!r})"
 
     reads = _FileReads(source)
 
@@ -233,11 +245,11 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
             for key in file_keys:
                 info = source.tensors[key]
                 dst = torch.empty(info.shape, dtype=info.dtype, device=staging.device)
-                yield reader.StagedCopy(dst, info.dtype, reads.fill(key), (file, key, dst))
+                yield reader.StagedCopy(dst, info.dtype, reads.fill(key), (file, key, dst), reads.where(key))
 
     handed = (staging.copy(copies(), threads=threads) if staged else
               (item for item, _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
-                                                      nbytes=lambda item: item[2].nbytes)))
+                                                      nbytes=lambda item: item[2].nbytes, where=where)))
     try:
         for file, key, tensor in handed:
             info = source.tensors[key]
@@ -466,7 +478,7 @@ def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], stagin
     def copies(reads: _FileReads) -> Iterator[StagedCopy]:
         for name, target, tensor in checked:  # tensor: a mapped view, for the checks; its bytes are pread
             if target.device.type == staging.device.type and target.is_contiguous():
-                yield StagedCopy(target.data, tensor.dtype, reads.fill(name), name)
+                yield StagedCopy(target.data, tensor.dtype, reads.fill(name), name, reads.where(name))
             else:
                 target.data.copy_(tensor)
                 loaded.add(name)

@@ -175,7 +175,8 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                     nbytes = dst.numel() * dtype.itemsize
                     if dst.device.type == staging.device.type and dst.is_contiguous():
                         yield StagedCopy(dst, dtype, lambda buf, start, at=offset: pread_into(
-                            f.fileno(), at + start, buf, file), nbytes)
+                            f.fileno(), at + start, buf, file), nbytes,
+                            lambda start, at=offset: f"{file} at byte {at + start}")
                     else:
                         _read_rows(f.fileno(), dst, dtype, offset, file)
                         done(nbytes)
@@ -194,7 +195,8 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
             pread_into(f.fileno(), offset, buffer, file)
 
         for (dst, buffer, _), _ in read_ahead(jobs(), read, threads=threads,
-                                               nbytes=lambda job: job[1].numel() * job[1].element_size()):
+                                               nbytes=lambda job: job[1].numel() * job[1].element_size(),
+                                               where=lambda job: f"{file} at byte {job[2]}"):
             if buffer is not dst:
                 dst.copy_(buffer)
             done(buffer.numel() * buffer.element_size())

@@ -1,0 +1,151 @@
+"""Faults during a load (issue 36, part 2), the CLI door, on a real FUSE store (``fuse_store``) that stalls or fails
+the reads of one shard from its last page on, and with ranks SIGKILLed from outside:
+
+- a rank SIGKILLed mid-read (rank 0 of ``broadcast`` held in a stalled read) or mid-collective (rank 1 waiting for
+  that bucket): every other rank gone within a generous bound, the launcher's line names the rank and the signal,
+  nothing is left behind (no process, no /dev/shm segment, no work folder, no output);
+- a read that stalls: the load fails naming the file and the offset within ``read_timeout_s``;
+- an I/O error: one line naming the file and the offset, every rank exits, nothing written.
+
+The test watches for the fault's marker (the FUSE server writes it when a read reaches the fault), not for time."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fuse_store import faulty_store, wait_for
+from proc_utils import alive, children, is_rank
+
+pytestmark = [pytest.mark.multiproc,
+              pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
+CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
+LOAD = ("--device", "cpu", "--dtype", "float32")
+
+
+def _start(checkpoint: Path, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path, Path]:
+    """The CLI loading ``checkpoint`` with ``--save-fused``, its temporary files under its own TMPDIR (the ranks'
+    work folder is ``vllm-diffusion-ranks-*`` there; third-party caches land there too) and, as root, its own
+    /dev/shm: ``tmp_path/shm`` bound over it in a private mount namespace (other processes on the host create and
+    leave segments in the real one)."""
+    tmp, out, shm = tmp_path / "tmpdir", tmp_path / "out" / "fused", tmp_path / "shm"
+    for folder in (tmp, out.parent, shm):
+        folder.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION") and k != "VLLM_CONFIGURE_LOGGING"}
+    env["TMPDIR"] = str(tmp)
+    command = [*CLI, "load", str(checkpoint), *LOAD, "--save-fused", str(out), *args]
+    if os.geteuid() == 0 and shutil.which("unshare"):  # exec all the way: the CLI keeps this process id
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   'mount --bind "$0" /dev/shm && exec "$@"', str(shm), *command]
+    # files, not pipes: a rank stuck in a stalled read holds the CLI's stdout and stderr until the store answers
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path)
+    return proc, tmp, out
+
+
+def _finish(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 120) -> str:
+    """The CLI's stderr once it exited (within ``timeout_s``: generous, the ranks must be gone well before)."""
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return (tmp_path / "stderr").read_text()
+
+
+def _left_behind(pids: list[int], tmp: Path, out: Path) -> list[str]:
+    """Processes still alive (a rank stuck in the store ends once the store is gone: call after unmounting), the
+    CLI's /dev/shm segments, its work folder, anything in the output's folder."""
+    deadline = time.monotonic() + 30
+    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ([f"process {p}" for p in pids if alive(p)] + [f"/dev/shm/{p.name}" for p in (tmp.parent / "shm").iterdir()]
+            + [str(p) for p in tmp.glob("vllm-diffusion-*")] + [str(p) for p in out.parent.iterdir()])
+
+
+def _shard(checkpoint: Path) -> Path:
+    """The transformer's third shard: its first two are read (and, under ``broadcast``, sent) before it."""
+    return sorted((checkpoint / "transformer").glob("*.safetensors"))[2]
+
+
+@pytest.mark.parametrize("victim", ["reader", "waiter"])
+def test_a_rank_sigkilled_mid_read_or_mid_broadcast_is_named_and_nothing_is_left(tiny_wan_dir, tmp_path, victim):
+    """``broadcast`` on 2 ranks: rank 0 alone reads; the test kills it in a read its store answers slowly (each
+    request past the shard's last page takes 5 s), or kills rank 1 while it waits for rank 0's bucket (rank 0 held
+    in a read that never answers). Before: ``rank N exited with code -9`` (no signal named) or the survivor's
+    "Connection reset by peer" echo alone (``launcher._first_error`` took the earliest error file); and with the
+    reader stuck in its store, the launcher waited for it forever (``stop()`` joined a SIGKILLed process). Seen on
+    main: the reader case printed rank 1's broadcast echo alone; the waiter case never exited."""
+    mode = "slow" if victim == "reader" else "stall"
+    with faulty_store(tiny_wan_dir, tmp_path, _shard(tiny_wan_dir), mode=mode) as (checkpoint, fault):
+        proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "broadcast", "--verbose")
+        try:
+            reader = wait_for(fault.marker)["pid"]  # rank 0, the only reader, in a read of that page
+            ranks = [p for p in children(proc.pid) if is_rank(p)]
+            assert reader in ranks and len(ranks) == 2, (reader, ranks)
+            os.kill(reader if victim == "reader" else next(p for p in ranks if p != reader), signal.SIGKILL)
+            err = _finish(proc, tmp_path)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # the store is gone: a rank stuck in it (the waiter case's reader) is released
+    errors = [line for line in err.splitlines() if line.startswith("vllm-diffusion: ")]
+    assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, err[-3000:])
+    rank = 0 if victim == "reader" else 1
+    assert errors[0].startswith(f"vllm-diffusion: error: rank {rank} died of SIGKILL (out of memory or killed from "
+                                f"outside)"), errors[0]
+    assert "collective timeout 300 s" in err  # each rank's first INFO line says the bound
+    assert _left_behind(ranks, tmp, out) == []
+
+
+@pytest.mark.parametrize("strategy", ["broadcast", "rank_local"])
+def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, tmp_path, strategy):
+    """The store stops answering reads of one shard's last page: the load fails within ``--read-timeout`` naming
+    the file and the offset; the launcher returns though the stalled rank cannot exit until the store answers.
+    Before: the load hung (``broadcast``: rank 1 until its 300 s broadcast timeout, then the launcher forever on
+    the stuck rank 0; ``rank_local``: every rank forever)."""
+    shard = _shard(tiny_wan_dir)
+    with faulty_store(tiny_wan_dir, tmp_path, shard, mode="stall") as (checkpoint, fault):
+        proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", strategy,
+                                "--read-timeout", "5")
+        try:
+            stalled = wait_for(fault.marker)
+            ranks = [p for p in children(proc.pid) if is_rank(p)]
+            err = _finish(proc, tmp_path)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("vllm-diffusion: ")]
+    assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, err[-3000:])
+    mounted = checkpoint / "transformer" / shard.name
+    assert f"{mounted} at byte " in errors[0] and "no answer within 5 s (read_timeout_s)" in errors[0], errors[0]
+    offset = int(re.search(r" at byte (\d+)", errors[0]).group(1))
+    assert offset <= stalled["offset"] + stalled["size"], (offset, stalled)
+    assert _left_behind(ranks, tmp, out) == []
+
+
+@pytest.mark.parametrize("strategy", ["full", "rank_local"])
+def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, strategy):
+    """The store fails reads of one shard's last page with EIO. ``full`` views mapped files: before, the failed
+    page-in killed each rank with SIGBUS (``rank 0 exited with code -7``, no file named); ``rank_local`` ``pread``s:
+    before, ``[Errno 5] Input/output error``, naming nothing (both seen on main)."""
+    shard = _shard(tiny_wan_dir)
+    with faulty_store(tiny_wan_dir, tmp_path, shard, mode="eio") as (checkpoint, fault):
+        proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", strategy)
+        err = _finish(proc, tmp_path)
+        failed = wait_for(fault.marker, timeout_s=0)
+    errors = [line for line in err.splitlines() if line.startswith("vllm-diffusion: ")]
+    assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, err[-3000:])
+    mounted = checkpoint / "transformer" / shard.name
+    assert errors[0].startswith(f"vllm-diffusion: error: {mounted}") and "at byte" in errors[0], errors[0]
+    offset = int(re.search(r" at byte (\d+)", errors[0]).group(1))
+    assert failed["offset"] <= offset < failed["offset"] + failed["size"], (offset, failed)  # the page that failed
+    assert _left_behind([], tmp, out) == []
