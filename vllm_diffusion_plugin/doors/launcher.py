@@ -103,7 +103,7 @@ def _wait(procs: list, workdir: Path) -> None:
 def _cause(procs: list, workdir: Path) -> str:
     """One line: the ranks that died of a signal (they wrote nothing; their peers' errors echo them), then the
     earliest error a rank wrote; else each failed rank's exit code."""
-    killed = [f"rank {rank} died of {_signal_words(-p.exitcode)}" for rank, p in enumerate(procs)
+    killed = [f"rank {rank} died of {signal_words(-p.exitcode)}" for rank, p in enumerate(procs)
               if p.exitcode is not None and p.exitcode < 0 and not (workdir / f"error-rank{rank}.json").exists()]
     written = _first_error(workdir)
     if killed:
@@ -114,7 +114,9 @@ def _cause(procs: list, workdir: Path) -> str:
                      if p.exitcode not in (None, 0))
 
 
-def _signal_words(signum: int) -> str:
+def signal_words(signum: int) -> str:
+    """``SIGKILL (out of memory or killed from outside)``: a signal's name and what a process's death by it usually
+    means (the CLI's ranks; vllm-omni's diffusion workers, ``doors/omni/patch_worker_death``)."""
     try:
         sig = signal.Signals(signum)
     except ValueError:

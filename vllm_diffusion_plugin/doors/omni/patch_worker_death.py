@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import multiprocessing.process
 import re
-import signal
 import time
 import weakref
 from typing import Any
@@ -43,13 +42,6 @@ TARGET = "vllm_omni.diffusion.executor.multiproc_executor"
 WORKER_NAME = re.compile(r"DiffusionWorker-(\d+)$")
 SETTLE_S = 5.0
 """Seconds for the rest of a failing group to end before the dead are described."""
-SIGNAL_CAUSES = {
-    signal.SIGKILL: "out of memory -- the kernel's OOM killer, see dmesg -- or killed from outside",
-    signal.SIGBUS: "an I/O error under a mapped file, or a file truncated under its mapping",
-    signal.SIGSEGV: "a crash in native code",
-    signal.SIGABRT: "aborted by native code",
-    signal.SIGTERM: "terminated from outside",
-}
 
 _workers: "weakref.WeakValueDictionary[int, multiprocessing.process.BaseProcess]" = weakref.WeakValueDictionary()
 """Rank -> the last ``DiffusionWorker-<rank>`` process started in this process."""
@@ -108,6 +100,8 @@ def describe_dead(settle_s: float = SETTLE_S) -> str | None:
     failed = [(rank, p.exitcode) for rank, p in procs.items() if p.exitcode is not None and p.exitcode > 0]
     if not killed and not failed:
         return None
+    from vllm_diffusion_plugin.doors.launcher import signal_words
+
     parts = [f"diffusion worker rank {rank} died of {signal_words(signum)}" for rank, signum in killed]
     then = [f"rank {rank} exited with code {code}" for rank, code in failed]
     if parts and then:
@@ -115,12 +109,3 @@ def describe_dead(settle_s: float = SETTLE_S) -> str | None:
     elif then:
         parts = [f"diffusion worker {', '.join(then)} (its error is above)"]
     return "; ".join(parts) + " -- while the workers started (their load or the first run)"
-
-
-def signal_words(signum: int) -> str:
-    """``SIGKILL (out of memory ...)``: a signal's name and what a worker's death by it usually means."""
-    try:
-        sig = signal.Signals(signum)
-    except ValueError:
-        return f"signal {signum}"
-    return f"{sig.name} ({SIGNAL_CAUSES[sig]})" if sig in SIGNAL_CAUSES else sig.name
