@@ -84,7 +84,6 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     def __init__(self) -> None:
         super().__init__()
         _patching.install(PATCH_UNITS)
-        _register_cpu_quantization()
 
     # ---- workers ---------------------------------------------------------------------------------------
     @classmethod
@@ -193,21 +192,6 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     @classmethod
     def max_memory_reserved(cls, device: torch.types.Device | None = None) -> int:
         return peak_rss_bytes()
-
-
-def _register_cpu_quantization() -> None:
-    """``--quantization torch_fp8`` / ``torch_fp8_per_channel``: the pure-torch online fp8 of
-    ``testing/online_quant.py`` through vllm-omni's own quantization override hook, so an FP8 server can be proven
-    on a CPU (vLLM's ``fp8`` has no CPU kernel). A test method, said so once; not vLLM's fp8."""
-    try:
-        from vllm_diffusion_plugin.testing.online_quant import register_omni_override
-
-        names = register_omni_override()
-    except (ImportError, AttributeError) as exc:  # a vllm-omni without the override hook
-        logger.debug("CPU platform: no CPU fp8 method registered (%s)", exc)
-        return
-    logger.info("CPU platform: --quantization %s registered through vllm-omni's quantization override hook: a "
-                     "pure-torch fp8 for CPU proofs (testing/online_quant.py), not vLLM's fp8", " / ".join(names))
 
 
 def require_patches_applied() -> None:
