@@ -18,9 +18,12 @@ PSI = "some avg10={some:.2f} avg60=0.00 avg300=0.00 total=1\nfull avg10={full:.2
 
 
 def _proc(root: Path, full: float, available_kib: int = 3 << 20) -> None:
+    """The /proc files the watch reads, each replaced at once as the kernel's are read (never half written)."""
     (root / "proc/pressure").mkdir(parents=True, exist_ok=True)
-    (root / "proc/pressure/memory").write_text(PSI.format(some=full * 1.5, full=full))
-    (root / "proc/meminfo").write_text(f"MemTotal: {8 << 20} kB\nMemAvailable: {available_kib} kB\n")
+    for name, text in (("pressure/memory", PSI.format(some=full * 1.5, full=full)),
+                       ("meminfo", f"MemTotal: {8 << 20} kB\nMemAvailable: {available_kib} kB\n")):
+        (root / "proc" / f"{name}.new").write_text(text)
+        (root / "proc" / f"{name}.new").replace(root / "proc" / name)
 
 
 def test_the_kernels_figure_reads_where_it_has_psi():
@@ -53,9 +56,9 @@ def test_a_thrashing_host_is_named_once_per_episode(tmp_path):
             assert watch.warnings == 1  # once while it lasts, not every sample
             _proc(tmp_path, full=pressure.THRESHOLD * 0.75)
             time.sleep(0.1)
-            assert watch.warnings == 1  # still above half the threshold: the same episode
+            assert watch.warnings == 1 and watch.in_episode  # still above half the threshold: the same episode
             _proc(tmp_path, full=1.0)
-            time.sleep(0.1)
+            _wait_for(lambda: not watch.in_episode)  # below half: the episode is over
             _proc(tmp_path, full=45.0)
             _wait_for(lambda: watch.warnings == 2)
         finally:

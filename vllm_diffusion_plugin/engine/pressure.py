@@ -52,18 +52,19 @@ class PressureWatch(threading.Thread):
         super().__init__(name="vllm-diffusion-pressure", daemon=True)
         self.what, self.threshold, self.interval_s, self.root = what, threshold, interval_s, root
         self.warnings = 0
+        self.in_episode = False
+        """Warned, and the pressure has not yet fallen below half the threshold."""
         self._done = threading.Event()
 
     def run(self) -> None:
         from vllm_diffusion_plugin.engine.preflight import host_available, size_text
 
-        warned = False
         while not self._done.wait(self.interval_s):
             full = full_avg10(self.root)
             if full is None:
                 logger.debug("no memory pressure figures (%s): not watched", self.root / "proc/pressure/memory")
                 return
-            if full >= self.threshold and not warned:
+            if full >= self.threshold and not self.in_episode:
                 host = host_available(self.root)
                 left = f"{size_text(host.available)} left [{host.source}]" if host else "nothing readable left"
                 logger.warning(
@@ -71,9 +72,9 @@ class PressureWatch(threading.Thread):
                     "(/proc/pressure/memory); %s. The host is reclaiming and re-reading pages rather than killing "
                     "anything: this may crawl until a timeout. Free memory on this host or lower the load's peak "
                     "(vllm-diffusion plan names each strategy's, the first run's included)", self.what, full, left)
-                warned, self.warnings = True, self.warnings + 1
-            elif warned and full < self.threshold / 2:
-                warned = False
+                self.in_episode, self.warnings = True, self.warnings + 1
+            elif self.in_episode and full < self.threshold / 2:
+                self.in_episode = False
 
     def stop(self) -> None:
         self._done.set()
