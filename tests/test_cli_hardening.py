@@ -275,7 +275,8 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_writes_nothing(tiny_wan_d
             ranks = [p for p in children(proc.pid) if is_rank(p)]
             time.sleep(0.05)
         assert len(ranks) == 2, f"ranks did not start: {proc.poll()} {proc.stderr.read() if proc.poll() else ''}"
-        time.sleep(0.2)  # the ranks are importing (a tiny load can be over within a second of their start)
+        time.sleep(0.2)  # the ranks are importing (a tiny load can be over within a second of their start); a
+        # signal while the launcher still spawns them is held until it can stop them
         proc.send_signal(signum)  # the launcher alone, as `kill PID` does
         _, err = proc.communicate(timeout=60)
     finally:

@@ -42,14 +42,30 @@ def checkpoints(tmp_path_factory) -> sp.Checkpoints:
 
 
 def _worker_pid(run: sp.ServerRun, rank: int, mark: str, proc, timeout_s: float) -> int:
+    """Worker ``rank``'s pid once it logged ``mark``: from its log prefix (vllm-omni 0.30: ``(DiffusionWorker_FS1
+    pid=N)``), or, where the workers' lines carry none (0.32), once every worker logged it, the ``rank``-th process
+    the server spawned (vllm-omni starts its workers in rank order)."""
     worker = re.compile(rf"\(DiffusionWorker_FS{rank} pid=(\d+)\)")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        for line in run.log_text().splitlines():
-            if mark in line and (found := worker.search(line)):
+        marked = [line for line in run.log_text().splitlines() if mark in line]
+        for line in marked:
+            if found := worker.search(line):
                 return int(found[1])
+        if len(marked) >= 2 and not any("DiffusionWorker" in line for line in marked):
+            spawned = sorted(pid for pid in group_pids(proc.pid) if b"spawn_main" in _cmdline(pid))
+            if len(spawned) > rank:
+                return spawned[rank]
         time.sleep(0.05)
     raise AssertionError(f"worker rank {rank} never logged {mark!r} (server exit {proc.poll()}); log {run.log}")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def _group_left(pgid: int, *, within_s: float) -> dict[int, str]:
@@ -58,13 +74,7 @@ def _group_left(pgid: int, *, within_s: float) -> dict[int, str]:
     deadline = time.monotonic() + within_s
     while (pids := group_pids(pgid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = {}
-    for pid in pids:
-        try:
-            left[pid] = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200]
-        except OSError:
-            pass
-    return left
+    return {pid: _cmdline(pid).replace(b"\0", b" ").decode()[:200] for pid in pids}
 
 
 def _port_free(port: int) -> bool:

@@ -67,7 +67,11 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
     succeeded, raise ``RankError`` when one failed (after stopping the others)."""
     ctx = multiprocessing.get_context("spawn")
     procs: list = []
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: the ranks ignore SIGINT
+    # A Ctrl-C while the ranks are spawned is held (blocked, so Linux keeps it pending though the handler is
+    # SIG_IGN, which the ranks inherit to ignore SIGINT), then raised once the launcher can stop them: a SIGINT in
+    # that window was lost and the load ran to its end.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         for rank in range(world_size):
             proc = ctx.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
@@ -80,6 +84,7 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a held Ctrl-C is raised here; the ranks stopped below
         _wait(procs, workdir)
     finally:
         stop(procs)
@@ -174,6 +179,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _rank_entry(target, rank: int, world_size: int, workdir: Path, args: tuple, verbose: bool, parent: int) -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inherited blocked; ignored (SIG_IGN) from here
     _die_with_parent(parent)
     try:
         target(rank, world_size, workdir, *args)
