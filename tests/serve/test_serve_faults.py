@@ -43,9 +43,10 @@ def checkpoints(tmp_path_factory) -> sp.Checkpoints:
 
 def _worker_pid(run: sp.ServerRun, rank: int, mark: str, proc, timeout_s: float) -> int:
     """Worker ``rank``'s pid once it logged ``mark``: from its log prefix (vllm-omni 0.30: ``(DiffusionWorker_FS1
-    pid=N)``), or, where the workers' lines carry none (0.32), once every worker logged it, the ``rank``-th process
-    the server spawned (vllm-omni starts its workers in rank order)."""
+    pid=N)``), or, where the workers' lines carry none (0.32), once every worker logged it, from its process title
+    (``vLLM-Omni::DiffusionWorker_FS1``)."""
     worker = re.compile(rf"\(DiffusionWorker_FS{rank} pid=(\d+)\)")
+    title = f"vLLM-Omni::DiffusionWorker_FS{rank}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
         marked = [line for line in run.log_text().splitlines() if mark in line]
@@ -53,9 +54,9 @@ def _worker_pid(run: sp.ServerRun, rank: int, mark: str, proc, timeout_s: float)
             if found := worker.search(line):
                 return int(found[1])
         if len(marked) >= 2 and not any("DiffusionWorker" in line for line in marked):
-            spawned = sorted(pid for pid in group_pids(proc.pid) if b"spawn_main" in _cmdline(pid))
-            if len(spawned) > rank:
-                return spawned[rank]
+            titled = [pid for pid in group_pids(proc.pid) if _cmdline(pid).startswith(f"{title}".encode())]
+            if titled:
+                return titled[0]
         time.sleep(0.05)
     raise AssertionError(f"worker rank {rank} never logged {mark!r} (server exit {proc.poll()}); log {run.log}")
 
