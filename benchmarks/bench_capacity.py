@@ -251,9 +251,9 @@ def _workers(run: sv.ServerRun) -> dict[int, dict]:
 
 
 # ---- the plan ---------------------------------------------------------------------------------------------
-def planned(pipeline: Path, loras: list[Path], size: int, *, first_run: bool = False, fp8: bool = False) -> dict[int, int]:
-    """Host peak per rank that ``plan`` gives our rank_local load of this folder at S = ``size`` (``first_run``: its
-    first run's peak, the server's warm-up, instead)."""
+def planned(pipeline: Path, loras: list[Path], size: int, *, fp8: bool = False) -> tuple[dict[int, int], dict[int, int]]:
+    """(host peak, first run's peak -- the server's warm-up) per rank that ``plan`` gives our rank_local load of this
+    folder at S = ``size``, from one plan."""
     import torch
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
@@ -269,8 +269,8 @@ def planned(pipeline: Path, loras: list[Path], size: int, *, first_run: bool = F
     plan = plan_load(str(pipeline), options=LoadOptions(), lora_specs=[LoraSpec(p) for p in loras],
                      world_size=size, hsdp=HSDPConfig(replicate_size=1, shard_size=size) if size > 1 else None,
                      dtype=torch.bfloat16, device_type="cpu", quantization=quantization)
-    strategy = "rank_local" if size > 1 else "full"
-    return {r.rank: r.first_run_peak if first_run else r.host_peak for r in plan.ranks if r.strategy == strategy}
+    ranks = [r for r in plan.ranks if r.strategy == ("rank_local" if size > 1 else "full")]
+    return {r.rank: r.host_peak for r in ranks}, {r.rank: r.first_run_peak for r in ranks}
 
 
 # ---- judging and printing ---------------------------------------------------------------------------------
@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     folders = {b: build(args.out_dir, blocks=b) for b in sorted({p[3] for p in plan})}
     dit = {b: _dit_bytes(folder) for b, (folder, _) in folders.items()}
     ours = {(b, n, s.endswith("-fp8")) for _, s, n, b, _ in plan if s.startswith("ours")}
-    plans = {(b, n, q): planned(*folders[b], n, fp8=q) for b, n, q in ours}
-    first_runs = {(b, n, q): planned(*folders[b], n, first_run=True, fp8=q) for b, n, q in ours}
+    both = {(b, n, q): planned(*folders[b], n, fp8=q) for b, n, q in ours}
+    plans, first_runs = ({key: pair[i] for key, pair in both.items()} for i in (0, 1))
     logs, rows, t0 = args.out_dir / "logs" / time.strftime("%Y%m%d-%H%M%S"), [], time.monotonic()
     for run, setting, size, blocks, limit in plan:
         pipeline, loras = folders[blocks]
