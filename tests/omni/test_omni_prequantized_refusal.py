@@ -1,5 +1,6 @@
-"""Pre-quantized checkpoints stay refused under ``--load-format diffusion-hsdp``, naming vllm-omni's quantization,
-before any weight is read (issue 37: what stays refused is refused by name).
+"""Pre-quantized checkpoints other than ModelOpt FP8 stay refused under ``--load-format diffusion-hsdp``, naming
+vllm-omni's quantization, before any weight is read (issue 37: what stays refused is refused by name); ModelOpt FP8
+loads with ``full`` (``test_omni_prequant_fp8.py``).
 
 vllm-omni builds these configs from a transformer's ``quantization_config`` (ModelOpt FP8 / FP8 per channel / NVFP4,
 vLLM's serialized ``fp8``); each marks itself with its own ``is_checkpoint_<format>_serialized`` flag. The old check
@@ -16,11 +17,9 @@ import_omni()  # skips this module where vllm-omni is not installed
 
 
 @pytest.mark.parametrize("spec, name, flag", [
-    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "modelopt", "fp8"),
-    ({"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}, "modelopt", "fp8"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "modelopt_fp4", "nvfp4"),
     ({"quant_method": "fp8", "is_checkpoint_fp8_serialized": True}, "fp8", "fp8"),
-], ids=["modelopt-fp8", "modelopt-fp8-per-channel", "modelopt-nvfp4", "vllm-fp8-serialized"])
+], ids=["modelopt-nvfp4", "vllm-fp8-serialized"])
 def test_pre_quantized_checkpoint_configs_are_refused_by_name(omni, spec, name, flag):
     from vllm_omni.quantization import build_quant_config
 
@@ -29,6 +28,18 @@ def test_pre_quantized_checkpoint_configs_are_refused_by_name(omni, spec, name, 
     with pytest.raises(ValueError, match=rf"vllm-omni's quantization '{name}' with a .*pre-quantized checkpoint "
                                          rf"\(is_checkpoint_{flag}_serialized\) is not carried"):
         refuse_checkpoint_quantization(build_quant_config(spec))
+
+
+@pytest.mark.parametrize("algo", ["FP8", "FP8_PER_CHANNEL_PER_TOKEN"])
+def test_modelopt_fp8_is_carried_with_full_and_refused_with_rank_local(omni, algo):
+    from vllm_omni.quantization import build_quant_config
+
+    from vllm_diffusion_plugin.doors.omni.serve_options import refuse_checkpoint_quantization
+
+    config = build_quant_config({"quant_method": "modelopt", "quant_algo": algo})
+    refuse_checkpoint_quantization(config, "full")
+    with pytest.raises(ValueError, match=r"loads under vllm-omni with hsdp_weight_load='full' only: 'rank_local'"):
+        refuse_checkpoint_quantization(config, "rank_local")
 
 
 def test_online_quantization_is_not_refused(omni):

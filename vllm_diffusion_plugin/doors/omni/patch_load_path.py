@@ -12,8 +12,8 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
 - ``load_model``: for our format, before vllm-omni builds anything: options from
   ``--additional-config diffusion_hsdp`` (``serve_options``), combinations we do not carry refused
   (``serve_options.check_supported``; vllm-omni's ``--diffusion-load-format diffusers`` / ``dummy``;
-  GGUF / torchao / pre-quantized checkpoints), this rank's planned device peak held against its free
-  accelerator memory (``preflight.check_device``); the weight-load strategy (``broadcast``: vllm-omni's
+  GGUF / torchao / pre-quantized checkpoints but ModelOpt FP8 with ``full``), this rank's planned device peak
+  held against its free accelerator memory (``preflight.check_device``); the weight-load strategy (``broadcast``: vllm-omni's
   ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank 0 loads through our path,
   vllm-omni's bucketed broadcast sends the result, the other ranks read nothing); then one INFO line per DiT
   component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=... total_s=...
@@ -24,7 +24,8 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
   ``[COMPONENT=]PATH[@SCALE]`` (``pipeline.assign_loras``), plus vllm-omni's own distilled LoRAs
   (``--lora-path`` with ``--lora-backend distill``, by position as vllm-omni assigns them), after which the
   model is marked ``lora_is_fused`` so vllm-omni does not fuse them again. A pipeline with checkpoint
-  adapters (non-diffusers layouts) is refused naming the component.
+  adapters (non-diffusers layouts) is refused naming the component, except vllm-omni's ModelOpt FP8 adapter of a
+  pre-quantized checkpoint, which our stream goes through (``load_path``).
 
 Post-load processing (``patch_postprocess``) and HSDP sharding (vllm-omni's ``apply_hsdp_to_model``, sizes from
 ``patch_load_format``) follow in vllm-omni's own ``load_model``.
@@ -165,11 +166,11 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
         raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
                          f"vllm-omni's --diffusion-load-format {load_format!r} (the diffusers adapter loads "
                          f"itself, dummy weights read nothing) is not carried: drop one of them")
-    refuse_checkpoint_quantization(loader.quant_config)
     strategy = weight_load_strategy(options, od_config)
     if strategy != "full" and World.current().world_size == 1:
         logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
         strategy = "full"
+    refuse_checkpoint_quantization(loader.quant_config, strategy)
     ours = {"enable_broadcast_weight_load": strategy == "broadcast"}
     if getattr(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
         ours["hsdp_weight_load_strategy"] = "full"  # never upstream's pre-sharded load (no LoRA, no stacked q/k/v)
@@ -214,15 +215,16 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
     if not omni_sources:
         raise ValueError(f"{type(model).__name__} declares no weight sources; --load-format diffusion-hsdp loads "
                          f"pipelines whose DiTs are diffusers folders")
-    for s in omni_sources:
-        if loader._get_checkpoint_adapter(model, s, True) is not None:
+    adapters = [loader._get_checkpoint_adapter(model, s, True) for s in omni_sources]
+    for s, adapter in zip(omni_sources, adapters):
+        if adapter is not None and not load_path.is_fp8_adapter(adapter):
             raise ValueError(f"{type(model).__name__}.{load_path.component_name(s)} needs vllm-omni's checkpoint "
-                             f"adapter (a non-diffusers layout), which --load-format diffusion-hsdp does not carry")
+                             f"adapter {type(adapter).__name__}, which --load-format diffusion-hsdp does not carry")
     resolved = load_path.resolve_sources(omni_sources, allow_pickle=options.allow_pickle)
     names = [load_path.component_name(s) for s in omni_sources]
     loras = _assign_loras(loader, options, names)
     dits = []
-    for s, source, name in zip(omni_sources, resolved, names):
+    for s, source, name, adapter in zip(omni_sources, resolved, names, adapters):
         files = [(str(spec.path), spec.scale) for spec in loras.get(name, [])]
         report = ComponentReport(name=name, class_name=str(source.config.get("_class_name", "?")),
                                  files=len(source.files), lora_files=len(files))
@@ -231,7 +233,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
                                      check_finite=options.lora_check_finite,
                                      host_weights=options.lora_host_weights)
         dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads,
-                                        staging_bytes=options.pinned_staging_mb << 20))
+                                        staging_bytes=options.pinned_staging_mb << 20, adapter=adapter))
         state["report"].components.append(report)
     return dits
 
@@ -251,6 +253,8 @@ def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_c
     loaded = model.load_weights(weights)
     load_path.check_loaded(model, expected, None if loaded is None else set(loaded),
                            quantized=loader.quant_config is not None, exempt_suffixes=QUANT_SCALE_SUFFIXES)
+    if any(dit.adapter is not None for dit in dits):
+        load_path.check_fp8_scales_loaded(model)
     _mark_fused(loader, model)
 
 

@@ -175,12 +175,33 @@ def check_supported(options: Any, od_config: Any) -> None:
                          + "; ".join(problems) + ". Drop them or serve without --load-format diffusion-hsdp")
 
 
-def refuse_checkpoint_quantization(quant_config: Any) -> None:
+CARRIED_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+"""ModelOpt ``quant_algo`` values of the pre-quantized checkpoints this door reads (``load_path.Fp8StreamFuser``)."""
+
+
+def carried_fp8_checkpoint(quant_config: Any) -> bool:
+    """vllm-omni's ModelOpt FP8 config of a pre-quantized checkpoint (per tensor or per channel): read as it is
+    through vllm-omni's own ModelOpt adapter and layers, LoRA fused exactly."""
+    name = quant_config.get_name() if hasattr(quant_config, "get_name") else None
+    return name == "modelopt" and getattr(quant_config, "is_checkpoint_fp8_serialized", False) is True \
+        and str(getattr(quant_config, "quant_method", "")).upper() in CARRIED_FP8_ALGOS
+
+
+def refuse_checkpoint_quantization(quant_config: Any, strategy: str = "full") -> None:
     """Raise naming vllm-omni's quantization when the checkpoint itself is quantized (GGUF, torchao, serialized
-    FP8 / NVFP4 / MXFP / INT8, ModelOpt mixed): our path reads unquantized diffusers checkpoints."""
+    FP8 / NVFP4 / MXFP / INT8, ModelOpt mixed) and not carried: ModelOpt FP8 is, with ``full``
+    (:func:`carried_fp8_checkpoint`)."""
     if quant_config is None:
         return
     name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
+    if carried_fp8_checkpoint(quant_config):
+        if strategy != "full":
+            raise ValueError(f"a pre-quantized ModelOpt FP8 checkpoint ({quant_config.quant_method}) loads under "
+                             f"vllm-omni with hsdp_weight_load='full' only: '{strategy}' would hand vllm-omni's FP8 "
+                             f"layers rows ('rank_local') or broadcast buckets ('broadcast') of FP8 weights and "
+                             f"scales, which vllm-omni's ModelOpt post-processing is not checked with (its kernels "
+                             f"need a GPU); use 'full' (the CLI's rank_local reads FP8 rows)")
+        return
     # each config marks a serialized checkpoint with its own flag (is_checkpoint_fp8_serialized,
     # _nvfp4_, _mxfp8_, _int8_, _torchao_ ...), as vllm-omni's own _disk_marks_serialized reads them
     flags = sorted(k for k, v in vars(quant_config).items() if k.startswith("is_checkpoint_") and v is True) \
@@ -189,9 +210,9 @@ def refuse_checkpoint_quantization(quant_config: Any) -> None:
         str(name).lower().startswith(("gguf", "torchao", "modelopt"))
     if pre_quantized:
         raise ValueError(f"--load-format diffusion-hsdp reads unquantized diffusers checkpoints (online "
-                         f"quantization is fine); vllm-omni's quantization {name!r} with a GGUF / torchao / "
-                         f"pre-quantized checkpoint ({', '.join(flags) or 'by its method'}) is not carried: serve "
-                         f"it without --load-format diffusion-hsdp")
+                         f"quantization is fine) and ModelOpt FP8 ones; vllm-omni's quantization {name!r} with a "
+                         f"GGUF / torchao / pre-quantized checkpoint ({', '.join(flags) or 'by its method'}) is not "
+                         f"carried: serve it without --load-format diffusion-hsdp")
 
 
 def _row_wise_methods() -> set[str]:
