@@ -31,6 +31,8 @@ import_omni()  # skips this module where vllm-omni is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import test_prequant_fp8 as fp8_files  # noqa: E402
 
+from vllm_diffusion_plugin.tiny.fp8 import fused_fp8_copy  # noqa: E402
+
 FP8 = torch.float8_e4m3fn
 FORMATS = ("modelopt-fp8", "modelopt-fp8-per-channel")
 
@@ -100,48 +102,13 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
             or not torch.equal(_bits(a[n]), _bits(b[n]))]
 
 
-def _fused_reference(root: Path, out: Path, loras: list[Path]) -> Path:
-    """A copy of ``root`` whose transformer holds every LoRA-targeted FP8 layer fused in one process on the whole
-    tensor: every file's delta summed in fp32, added to the dequantized weight, requantized once."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows
-
-    shutil.copytree(root, out)
-    deltas: dict[str, torch.Tensor] = {}
-    for path in loras:
-        factors = load_file(str(path))
-        for key in [k for k in factors if k.endswith(".lora_A.weight")]:
-            name = key.removeprefix("transformer.").removesuffix(".lora_A.weight")
-            a, b = factors[key].float(), factors[f"transformer.{name}.lora_B.weight"].float()
-            alpha = factors.get(f"transformer.{name}.alpha")
-            deltas[name] = deltas.get(name, 0) + (b @ a) * (float(alpha) / a.shape[0] if alpha is not None else 1.0)
-    shards = {}
-    for shard in sorted((out / "transformer").glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            shards[shard] = {k: f.get_tensor(k) for k in f.keys()}
-    where = {key: shard for shard, tensors in shards.items() for key in tensors}
-    for name, delta in deltas.items():
-        weight, scale_key = f"{name}.weight", f"{name}.weight_scale"
-        q, scale = shards[where[weight]][weight], shards[where[scale_key]][scale_key]
-        if q.dtype != FP8:
-            continue
-        per_tensor = scale.dim() == 0
-        new_q, new_scale = fuse_fp8_rows(q, scale if per_tensor else scale.reshape(-1, 1), delta,
-                                         per_tensor=per_tensor)
-        shards[where[weight]][weight], shards[where[scale_key]][scale_key] = new_q, new_scale.reshape(scale.shape)
-    for shard, tensors in shards.items():
-        save_file(tensors, str(shard), metadata={"format": "pt"})
-    return out
-
-
 def test_the_fp8_checkpoint_loads_as_vllm_omnis_own_load_does(omni_world, qwen_fp8, no_post_processing):
     _, root, _, _ = qwen_fp8
     theirs, _ = _load(root, omni_world, ours=False)
     mine, loader = _load(root, omni_world, ours=True)
+    methods = {type(m.quant_method).__name__ for m in mine.transformer.modules()
+               if getattr(m, "weight", None) is not None and m.weight.dtype == FP8}
+    assert len(methods) == 1 and "ModelOpt" in next(iter(methods)) and "Cpu" not in next(iter(methods)), methods
     theirs, mine = _params(theirs), _params(mine)
     assert not _same(theirs, mine)
     assert sum(t.dtype == FP8 for t in mine.values()) >= 8
@@ -155,7 +122,7 @@ def test_a_lora_is_fused_exactly_where_vllm_omnis_own_fusion_fails(omni_world, q
     the whole tensors (both deltas summed in fp32, one requantization), bit for bit -- weights and scales; vllm-omni's
     own distill fusion of a LoRA into the same file fails."""
     fmt, root, lora, second = qwen_fp8
-    reference = _fused_reference(root, tmp_path / "reference", [lora, second])
+    reference = fused_fp8_copy(root, tmp_path / "reference", [lora, second])
     expected, _ = _load(reference, omni_world, ours=False)
     mine, loader = _load(root, omni_world, ours=True,
                          options={"lora_path": [f"transformer={lora}", f"transformer={second}"]})

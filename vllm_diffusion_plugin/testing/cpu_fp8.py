@@ -1,5 +1,5 @@
-"""vLLM general plugin ``diffusion_cpu_fp8``: ``--quantization torch_fp8`` / ``torch_fp8_per_channel`` for servers on
-our CPU platform.
+"""vLLM general plugin ``diffusion_cpu_fp8``: ``--quantization torch_fp8`` / ``torch_fp8_per_channel`` and pre-quantized
+ModelOpt FP8 checkpoints (``testing/cpu_modelopt.py``) for servers on our CPU platform.
 
 vLLM's ``fp8`` has no CPU kernel, so an FP8 server cannot be proven on a CPU-only host with it. With
 ``VLLM_DIFFUSION_OMNI_CPU=1`` (our CPU platform for vllm-omni) this registers the pure-torch online fp8 of
@@ -28,6 +28,12 @@ def register() -> None:
         return
     from vllm_diffusion_plugin.testing.online_quant import register_omni_override
 
+    from vllm_diffusion_plugin.testing.cpu_modelopt import register as register_modelopt
+
     names = register_omni_override()
     logger.info("CPU platform: --quantization %s registered through vllm-omni's quantization override hook: a "
                 "pure-torch fp8 for CPU proofs (testing/online_quant.py), not vLLM's fp8", " / ".join(names))
+    logger.info("CPU platform: pre-quantized ModelOpt FP8 checkpoints (quantization %r) served by a pure-torch "
+                "stand-in registered through vLLM's register_quantization_config (testing/cpu_modelopt.py): "
+                "vLLM's parameters and post-processing arithmetic, weights dequantized in the forward; not vLLM's "
+                "ModelOpt kernels", register_modelopt())
