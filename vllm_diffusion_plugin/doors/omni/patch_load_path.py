@@ -130,9 +130,16 @@ def _wrap_load_model(original):
 
         if not uses_diffusion_hsdp(self):
             return original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
-        state = _prepare(self, load_format)
-        start = time.perf_counter()
-        model = original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
+        try:
+            state = _prepare(self, load_format)
+            start = time.perf_counter()
+            model = original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
+        except Exception as exc:  # the server's error line names it (not only "rank 0 exited with code 1")
+            from vllm_diffusion_plugin.doors.omni.patch_worker_death import record_error
+            from vllm_diffusion_plugin.engine.pipeline import World
+
+            record_error(World.current().rank, exc)
+            raise
         names = [component_name(s) for s in self._get_weight_sources(model)]
         _log_reports(state, names, total_s=time.perf_counter() - start)
         return model
