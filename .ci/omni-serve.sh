@@ -18,7 +18,7 @@ PYTHON="$VENV/bin/python"
 [ -x "$VENV/bin/vllm" ] || { echo "omni-serve: $VENV/bin/vllm not found (install .[omni,test])" >&2; exit 1; }
 "$PYTHON" -c 'from importlib.metadata import version as v; print("omni-serve: vllm", v("vllm"), "vllm-omni", v("vllm-omni"))'
 
-TIMEOUT=${OMNI_SERVE_TIMEOUT:-1800}   # seconds for the whole proof (~17 min on a quiet 2-core host)
+TIMEOUT=${OMNI_SERVE_TIMEOUT:-1800}   # seconds for the whole proof (~21 min on a quiet 2-core host: 907 s + ~340 s of store faults)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/omni-serve.XXXXXX")
 start=$(date +%s)
 

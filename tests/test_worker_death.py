@@ -62,3 +62,31 @@ def test_nothing_to_say_while_every_worker_lives(remembered):
     finally:
         alive.kill()
         alive.join()
+
+
+def _fail_recording(rank: int, delay_s: float) -> None:
+    time.sleep(delay_s)
+    death.record_error(rank, OSError(5, "/store/shard-3.safetensors: I/O error at byte 20480"))
+    os._exit(1)
+
+
+def test_a_worker_whose_load_raised_is_named_with_its_error(remembered):
+    """Workers whose load raised record their error's first line for the starting process: the line carries it
+    (same error on both ranks: said once) instead of ``rank 0 exited with code 1 (its error is above)``."""
+    ctx = multiprocessing.get_context("spawn")
+    errors = death.errors_dir(os.getpid())
+    errors.mkdir(exist_ok=True)
+    try:
+        workers = [ctx.Process(target=_fail_recording, args=(rank, 0.2 * rank), name=f"DiffusionWorker-{rank}",
+                               daemon=True) for rank in (0, 1)]
+        for p in workers:
+            p.start()
+        line = death.describe_dead(settle_s=20.0, errors=errors)
+    finally:
+        import shutil
+
+        shutil.rmtree(errors, ignore_errors=True)
+    assert line.startswith("diffusion worker ranks 0, 1 failed: OSError: [Errno 5] /store/shard-3.safetensors: I/O "
+                           "error at byte 20480 -- while the workers started"), line
+    assert death.describe_dead(settle_s=0.0, errors=errors).startswith("diffusion worker rank 0 exited with code 1, "
+                                                                        "rank 1 exited with code 1 (its error is above)")

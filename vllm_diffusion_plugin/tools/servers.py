@@ -62,6 +62,9 @@ class ServerSpec:
     """Extra environment variables for the server and its workers."""
     cgroup: Path | None = None
     """A cgroup folder (its ``cgroup.procs``) the server starts in, with every process it forks (a memory limit)."""
+    shm: Path | None = None
+    """A folder bound over /dev/shm for the server and every process it forks, in a private mount namespace (root,
+    ``unshare``): what it leaves there is its own (other processes of the host leave segments in the real one)."""
 
 
 @dataclass
@@ -121,6 +124,9 @@ def server_command(spec: ServerSpec, port: int) -> list[str]:
     vllm = Path(sys.executable).with_name("vllm")
     cmd = [str(vllm), "serve", str(spec.model), "--omni", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", spec.dtype, "--enforce-eager", "--seed", "0"]
+    if spec.shm is not None:  # exec all the way: the server keeps the process id (and group) Popen gave it
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"',
+               str(spec.shm), *cmd]
     return cmd + list(spec.args)
 
 

@@ -17,7 +17,9 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
   ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank 0 loads through our path,
   vllm-omni's bucketed broadcast sends the result, the other ranks read nothing); then one INFO line per DiT
   component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=... total_s=...
-  peak_rss=...`` (the worker's peak RSS up to the end of its load);
+  peak_rss=...`` (the worker's peak RSS up to the end of its load). vllm-omni's load runs within
+  ``reader.bounded_reads(read_timeout_s)``: a read of ours that the store does not answer fails the load naming
+  the file and the offset; a load error is recorded for the server's line (``patch_worker_death.record_error``);
 - ``load_weights``: for our format, the DiT sources go through ``load_path`` (our manifests, our reader,
   LoRA fused per component with our fusion and device rule, vllm-omni's ``model.load_weights`` for its names
   and q/k/v stacking, our strict missing-weight check). LoRA files: ``lora_path`` entries
@@ -131,9 +133,20 @@ def _wrap_load_model(original):
 
         if not uses_diffusion_hsdp(self):
             return original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
-        state = _prepare(self, load_format)
-        start = time.perf_counter()
-        model = original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
+        from vllm_diffusion_plugin.engine.reader import bounded_reads
+
+        try:
+            state = _prepare(self, load_format)
+            start = time.perf_counter()
+            # every read of ours below (load_path.stream under full/broadcast, rank_local's rows) runs in this thread
+            with bounded_reads(state["options"].read_timeout_s):
+                model = original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
+        except Exception as exc:  # the server's error line names it (not only "rank 0 exited with code 1")
+            from vllm_diffusion_plugin.doors.omni.patch_worker_death import record_error
+            from vllm_diffusion_plugin.engine.pipeline import World
+
+            record_error(World.current().rank, exc)
+            raise
         names = [component_name(s) for s in self._get_weight_sources(model)]
         _log_reports(state, names, total_s=time.perf_counter() - start)
         return model

@@ -16,6 +16,13 @@ line, logged and raised as a ``RuntimeError`` from the original error, so the se
 ``Orchestrator initialization failed: diffusion worker rank 1 died of SIGKILL (...)``. Nothing changes when the
 workers start.
 
+A worker whose load raised (a store failing a read, a read that stalls past ``read_timeout_s``) exits 1 with its
+traceback in the log; the server's line said only ``rank 0 exited with code 1 (its error is above)``, the file and
+the offset some hundred lines up. So each worker's load records its error's first line (:func:`record_error`, called
+by ``patch_load_path``) in a folder of the starting process (:func:`errors_dir`: the temporary folder, named by that
+process's id; made before the workers start, removed once they are up or have failed), and the line carries it:
+``diffusion worker ranks 0, 1 failed: CheckpointError: <file>: ... at byte 20480 ...``.
+
 Versions. Recognized shape: ``MultiprocDiffusionExecutor._launch_workers(self, broadcast_handle, wake_events)``
 starting ``multiprocessing.Process(name=f"DiffusionWorker-{i}")`` (0.30.0, 0.31.0rc1, 0.32.0rc1).
 Unrecognized: skipped with a warning (vllm-omni's own message is kept).
@@ -27,9 +34,13 @@ from __future__ import annotations
 
 import functools
 import multiprocessing.process
+import os
 import re
+import shutil
+import tempfile
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
@@ -76,33 +87,84 @@ def _remember_workers() -> None:
 def _wrap(original):
     @functools.wraps(original)
     def _launch_workers(self, broadcast_handle, wake_events, *args, **kwargs):
+        errors = errors_dir(os.getpid())
+        try:
+            errors.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            logger.debug("No folder for the workers' load errors (%s): the line names exit codes only", exc)
         try:
             return original(self, broadcast_handle, wake_events, *args, **kwargs)
         except Exception as exc:
-            line = describe_dead()
+            line = describe_dead(errors=errors)
             if line is None:
                 raise
             logger.error("%s", line)
             raise RuntimeError(line) from exc
+        finally:
+            shutil.rmtree(errors, ignore_errors=True)
 
     return _launch_workers
 
 
-def describe_dead(settle_s: float = SETTLE_S) -> str | None:
+def errors_dir(starter_pid: int) -> Path:
+    """Where the workers started by process ``starter_pid`` record their load errors (:func:`record_error`)."""
+    return Path(tempfile.gettempdir()) / f"vllm-diffusion-worker-errors-{starter_pid}"
+
+
+def record_error(rank: int, exc: BaseException) -> None:
+    """In diffusion worker ``rank``, whose load raised ``exc``: its first line, for the process that started the
+    worker (its parent) to name in the server's error. Nothing when that process made no folder for it."""
+    folder = errors_dir(os.getppid())
+    if not folder.is_dir():
+        return
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    try:
+        (folder / f".rank-{rank}.tmp").write_text(line[:2000])
+        os.replace(folder / f".rank-{rank}.tmp", folder / f"rank-{rank}")
+    except OSError as failed:
+        logger.debug("Could not record rank %d's load error in %s: %s", rank, folder, failed)
+
+
+def _recorded(errors: Path | None) -> dict[int, str]:
+    """Rank -> recorded error, in the order they were recorded (the first to fail first)."""
+    found = []
+    for path in errors.glob("rank-*") if errors is not None and errors.is_dir() else ():
+        try:
+            found.append((path.stat().st_mtime_ns, int(path.name.removeprefix("rank-")), path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return {rank: text for _, rank, text in sorted(found)}
+
+
+def describe_dead(settle_s: float = SETTLE_S, *, errors: Path | None = None) -> str | None:
     """One line naming the remembered workers (this process starts one group) that have exited, once all ended or
     ``settle_s`` passed (a peer fails a moment after the worker it waited on): killed by a signal first (the
-    cause), then those that exited with a code; None when none has."""
+    cause), then those whose load recorded an error in ``errors`` (:func:`record_error`; the first to fail first,
+    ranks with the same error together; a worker that recorded one but cannot end -- a read stuck in a store --
+    included), then those that exited with a code; None when none has."""
     procs = dict(sorted(_workers.items()))
     deadline = time.monotonic() + settle_s
     while any(p.exitcode is None for p in procs.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
+    recorded = _recorded(errors)
     killed = [(rank, -p.exitcode) for rank, p in procs.items() if p.exitcode is not None and p.exitcode < 0]
-    failed = [(rank, p.exitcode) for rank, p in procs.items() if p.exitcode is not None and p.exitcode > 0]
-    if not killed and not failed:
+    failed = [(rank, p.exitcode) for rank, p in procs.items()
+              if p.exitcode is not None and p.exitcode > 0 and rank not in recorded]
+    if not killed and not failed and not recorded:
         return None
     from vllm_diffusion_plugin.doors.launcher import signal_words
 
     parts = [f"diffusion worker rank {rank} died of {signal_words(signum)}" for rank, signum in killed]
+    by_error: dict[str, list[int]] = {}
+    for rank, text in recorded.items():
+        if rank not in dict(killed):
+            by_error.setdefault(text, []).append(rank)
+    for text, ranks in by_error.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
+        stuck = [r for r in ranks if r in procs and procs[r].exitcode is None]
+        still = f" (rank {', '.join(map(str, stuck))} cannot end yet: a read stuck in its store)" if stuck else ""
+        parts.append(f"{'then ' if parts else 'diffusion worker '}{who} failed: {text}{still}")
     then = [f"rank {rank} exited with code {code}" for rank, code in failed]
     if parts and then:
         parts.append("then " + ", ".join(then) + " (its error above is the echo)")

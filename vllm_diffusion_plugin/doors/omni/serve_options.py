@@ -27,7 +27,6 @@ UNSUPPORTED_KEYS = {
     "hsdp_broadcast_bucket_mb": "vllm-omni's broadcast uses its own 256 MiB buckets",
     "hsdp_broadcast_timeout_s": "vllm-omni's broadcast uses its process group's timeout",
     "collective_timeout_s": "vllm-omni creates its process groups with its own timeout",
-    "read_timeout_s": "this door's reads wait at most the default 300 s (not configurable here yet)",
     "strict_unexpected": "vllm-omni's model load_weights skips checkpoint keys it has no place for",
 }
 """Keys with no effect under vllm-omni: a non-default value is an error naming the key and why."""
