@@ -2,7 +2,7 @@
 
 vLLM's distributed init happens once per process and keeps a default process group, so these scenarios run
 apart from the rest of the suite: ``python get_model_scenarios.py SPEC.json OUT_DIR``. SPEC is a list of
-``{"name", "model", "load_format", "extra", "reload"}``; for each, OUT_DIR/<name>.pt holds the parameters
+``{"name", "model", "load_format", "extra", "reload", "dtype"}`` (dtype: ``float32`` unless given); for each, OUT_DIR/<name>.pt holds the parameters
 (DTensors gathered), the logits of a fixed hidden state (unsharded models), and any error's type and message.
 ``"reload": true``: after the load, every parameter is zeroed and vLLM's own in-place reload
 (``reload_weights``, vLLM 0.34+, which streams the loader's ``get_all_weights``) must bring the model back;
@@ -64,7 +64,7 @@ def main(spec_path: str, out_dir: str) -> None:
         try:
             vc = EngineArgs(model=scenario["model"], load_format=scenario["load_format"],
                             model_loader_extra_config=scenario.get("extra") or {}, skip_tokenizer_init=True,
-                            dtype="float32", max_model_len=128).create_engine_config()
+                            dtype=scenario.get("dtype", "float32"), max_model_len=128).create_engine_config()
             with set_current_vllm_config(vc):
                 if not initialized:
                     initialize_model_parallel(1, 1)
@@ -79,7 +79,8 @@ def main(spec_path: str, out_dir: str) -> None:
                     result.setdefault("dtensors", []).extend([name] if is_dtensor else [])
                 result["params"] = params
                 if not result.get("dtensors"):  # FSDP unshards in forward(), not in compute_logits()
-                    result["logits"] = model.compute_logits(hidden).detach().clone()
+                    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+                    result["logits"] = model.compute_logits(hidden.to(dtype)).detach().clone()
                 result["loader"] = type(model).__name__
         except ReloadUnavailable as exc:
             result = {"skipped": str(exc)}

@@ -74,7 +74,7 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
 
         source = self._source(model_config)
         stamps = integrity.stamp(source.files)  # a shard truncated or replaced from here on is named
-        loras = self._prepare_loras(model, component=source.name) if self.lora_specs else None
+        loras = self._prepare_loras(model, source=source) if self.lora_specs else None
         with integrity.unchanged(stamps, component=source.name), bounded_reads(self.options.read_timeout_s):
             result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
                                       threads=self.options.threads, staging=self._staging(model))
@@ -166,15 +166,17 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                              f"({', '.join(s.name for s in sources)}); vLLM loads one model folder")
         return sources[0]
 
-    def _prepare_loras(self, model: nn.Module, *, component: str) -> list:
+    def _prepare_loras(self, model: nn.Module, *, source: ComponentSource) -> list:
         """Every LoRA file read and checked against the model's shapes (nothing is touched): errors name the file,
-        ``component`` and the first offending keys before any checkpoint byte is read."""
+        the component and the first offending keys before any checkpoint byte is read."""
         from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+        from vllm_diffusion_plugin.engine.prequant import quantization_config
 
-        _check_lora_fusable(model)
+        _check_lora_fusable(model, quantization_config(source))
         return prepare_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
                                   strict=self.options.lora_strict,
-                                  packed_modules=getattr(model, "packed_modules_mapping", None), component=component)
+                                  packed_modules=getattr(model, "packed_modules_mapping", None),
+                                  component=source.name)
 
     def _fuse_loras(self, model: nn.Module, loras: list) -> None:
         from vllm_diffusion_plugin.engine.lora import fuse_prepared
@@ -203,15 +205,25 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                     report.total_bytes / 1e6)
 
 
-def _check_lora_fusable(model: nn.Module) -> None:
-    """LoRA is fused into full, unquantized weights on one rank; refuse what would fuse wrongly."""
+def _check_lora_fusable(model: nn.Module,
+                        checkpoint_quantization: tuple[dict | None, str] = (None, "")) -> None:
+    """LoRA is fused into full, unquantized weights on one rank; refuse what would fuse wrongly.
+    ``checkpoint_quantization``: ``prequant.quantization_config`` of the checkpoint (a pre-quantized one is named)."""
     from vllm.distributed import get_tensor_model_parallel_world_size
 
     base = compat.quantize_method_base()
-    # vLLM's plain layers carry Unquantized{Linear,Embedding,FusedMoE}Method; anything else quantizes.
+    # vLLM's plain layers carry Unquantized{Linear,Embedding,FusedMoE}Method; anything else quantizes. Layers
+    # without a weight (an attention's KV-cache method) hold nothing a LoRA fuses into.
     quantized = [name for name, m in model.named_modules()
-                 if isinstance(getattr(m, "quant_method", None), base)
+                 if isinstance(getattr(m, "quant_method", None), base) and "weight" in m._parameters
                  and not type(m.quant_method).__name__.startswith("Unquantized")]
+    config, where = checkpoint_quantization
+    if quantized and config is not None:
+        method = str(config.get("quant_method") or config.get("quant_algo") or "?")
+        raise ValueError(f"lora_path: the checkpoint is pre-quantized (quant_method {method!r}, {where}); fusing a "
+                         f"LoRA into its quantized layers ({', '.join(quantized[:3])}, ...) is not supported by the "
+                         f"vLLM loader: load the unquantized checkpoint with lora_path (a diffusers FP8 checkpoint "
+                         f"takes a LoRA through `vllm-diffusion load`)")
     if quantized:
         raise ValueError(f"lora_path: fusing a LoRA into quantized layers ({', '.join(quantized[:3])}, ...) is "
                          f"not supported; load the unquantized checkpoint (online quantization quantizes "

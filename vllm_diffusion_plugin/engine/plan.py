@@ -23,7 +23,11 @@ reads can differ from what is planned here for those parameters; the totals of t
   (:func:`first_run_gather`). Measured against
   ``load --json`` (peak RSS minus ``baseline_rss_bytes``, taken after the model classes are imported):
   ``docs/plan-and-memory.md``.
+- the library code a CPU load pages in after its imports (:data:`LOAD_CODE_BYTES`): in ``host_peak``, not in
+  ``host_private_peak`` (clean file pages). Online quantization: ``plan_quant``.
 - accelerator memory (device not ``cpu``): the local shards plus the LoRA chunk; the first run's peak beside it.
+
+The result types and the fit logic: ``plan_result`` (re-exported here).
 
 Reads no weight byte. Pure functions; no door imports.
 """
@@ -32,149 +36,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from vllm_diffusion_plugin.engine.plan_result import STRATEGY_ORDER, ComponentPlan, Plan, RankPlan
+
 MIB = 2**20
-
-
-@dataclass(frozen=True)
-class ComponentPlan:
-    """One component on one rank under one strategy (bytes)."""
-
-    name: str
-    bytes_read: int
-    held: int
-    """Parameter/buffer bytes this rank holds once the component is loaded (local shards when sharded)."""
-    peak: int
-    """The most this component's load holds at once on the host (cpu) or accelerator, transients included."""
-    transient: str
-    transient_bytes: int
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """One rank under one strategy: its components and the peaks over the whole load (bytes)."""
-
-    rank: int
-    strategy: str
-    """The strategy asked for; ``runs`` is what the load would use (one process: always ``full``)."""
-    runs: str
-    components: tuple[ComponentPlan, ...]
-    bytes_read: int
-    host_peak: int
-    device_peak: int | None
-    """None when the load runs on the CPU (no accelerator)."""
-    first_run_peak: int
-    """Held bytes plus what FSDP2's all-gathers add during the first run (``first_run_gather``; host or
-    accelerator)."""
-    host_private_peak: int = 0
-    """``host_peak`` less the clean checkpoint pages it maps (``full`` views its files copy-on-write): what the
-    kernel cannot drop under a memory limit, and what ranks on one node do not share (they share file pages)."""
-    first_run_private_peak: int = 0
-    """``first_run_peak`` likewise (on the CPU: the held bytes not mapped from files plus the all-gather)."""
-    held_mapped: int = 0
-    """Clean file pages the loaded modules keep viewing (an unsharded ``full`` component on the host): in use by
-    the model, so counted, but once per node (the ranks share them)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What each strategy needs on each rank, and whether it fits the given memory."""
-
-    checkpoint: str
-    world_size: int
-    layout: tuple[int, int] | None
-    device_type: str
-    dtype: str
-    ranks: tuple[RankPlan, ...]
-    unavailable: dict[str, str] = field(default_factory=dict)
-    """Strategy -> why it cannot serve this load (``check_strategy``'s message)."""
-    host_memory: int | None = None
-    """Host memory of one node, shared by its ranks (their host peaks add up)."""
-    device_memory: int | None = None
-    """Memory of one accelerator (one per rank)."""
-    local_world_size: int | None = None
-    """Ranks per node (consecutive ranks share a node's host memory); None: every rank on one node."""
-    views_files: bool = True
-    """``full`` views its files' pages as the CLI's load does; False: the door copies every tensor into a model
-    built elsewhere (vllm-omni), so the host needs are the host peaks, file pages and all."""
-
-    def host_need(self, r: RankPlan, *, first_run: bool = True) -> int:
-        """What ``r`` needs of the host that the kernel cannot reclaim: its private host peak, or on the CPU its
-        first run's when larger (``first_run=False``: the load alone, as the CLI's, which runs nothing). The clean
-        file pages a load maps are left out: under pressure the kernel drops them (and reads them again), and the
-        ranks of a node share them."""
-        if not self.views_files:
-            return max(r.host_peak, r.first_run_peak if self.device_type == "cpu" and first_run else 0)
-        return max(r.host_private_peak, r.first_run_private_peak if self.device_type == "cpu" and first_run else 0)
-
-    def device_need(self, r: RankPlan) -> int | None:
-        """What ``r`` needs of its accelerator: its device peak or its first run's peak (None on the CPU)."""
-        return None if r.device_peak is None else max(r.device_peak, r.first_run_peak)
-
-    def node_host_need(self, strategy: str, *, first_run: bool = True) -> tuple[int, tuple[int, ...]]:
-        """The most one node's ranks need of its host under ``strategy`` together, and those ranks."""
-        per_node = self.local_world_size or self.world_size
-        nodes: dict[int, list[RankPlan]] = {}
-        for r in self.ranks:
-            if r.strategy == strategy:
-                nodes.setdefault(r.rank // per_node, []).append(r)
-        need = lambda rows: sum(self.host_need(r, first_run=first_run) for r in rows) + \
-            max((r.held_mapped for r in rows if self.views_files), default=0)  # noqa: E731
-        worst = max(nodes.values(), key=need, default=[])
-        return need(worst), tuple(r.rank for r in worst)
-
-    def fits(self, strategy: str, *, first_run: bool = True) -> bool | None:
-        """Whether ``strategy`` fits the given memory: each node's ranks' host needs together within
-        ``host_memory``, each rank's device need within ``device_memory`` (None: no limit given)."""
-        if strategy in self.unavailable:
-            return False
-        if self.host_memory is None and self.device_memory is None:
-            return None
-        if self.host_memory is not None and \
-                self.node_host_need(strategy, first_run=first_run)[0] > self.host_memory:
-            return False
-        needs = [self.device_need(r) for r in self.ranks if r.strategy == strategy]
-        return self.device_memory is None or all(n is None or n <= self.device_memory for n in needs)
-
-    def pick(self, *, first_run: bool = True) -> str | None:
-        """The fitting strategy with the smallest host peak on any rank, then the fewest bytes read per rank."""
-        def cost(strategy: str) -> tuple[int, int]:
-            rows = [r for r in self.ranks if r.strategy == strategy]
-            return (max(max(r.host_peak, r.device_peak or 0) for r in rows), max(r.bytes_read for r in rows))
-
-        usable = [s for s in STRATEGY_ORDER
-                  if s not in self.unavailable and self.fits(s, first_run=first_run) is not False]
-        return min(usable, key=cost) if usable else None
-
-    def summary(self, strategy: str) -> dict[str, Any] | None:
-        """``strategy`` on its worst rank, figure by figure (each the largest over its ranks), with the node's
-        host need and whether it fits; None when the strategy cannot serve this load."""
-        rows = [r for r in self.ranks if r.strategy == strategy]
-        if not rows:
-            return None
-        devices = [r.device_peak for r in rows if r.device_peak is not None]
-        node, node_ranks = self.node_host_need(strategy)
-        return {"runs": rows[0].runs, "bytes_read": max(r.bytes_read for r in rows),
-                "held": max(sum(c.held for c in r.components) for r in rows),
-                "host_peak": max(r.host_peak for r in rows), "device_peak": max(devices) if devices else None,
-                "first_run_peak": max(r.first_run_peak for r in rows),
-                "worst_rank": max(rows, key=lambda r: (self.host_need(r), self.device_need(r) or 0)).rank,
-                "node_host_need": node, "node_ranks": list(node_ranks), "fits": self.fits(strategy)}
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["fits"] = {s: self.fits(s) for s in STRATEGY_ORDER}
-        data["pick"] = self.pick()
-        data["summary"] = {s: self.summary(s) for s in STRATEGY_ORDER if s not in self.unavailable}
-        return data
-
-
-STRATEGY_ORDER = ("full", "broadcast", "rank_local")
+LOAD_CODE_BYTES = 24 * MIB
+"""Library code a load pages in on the host after its imports (``baseline_rss_bytes``): the code of FSDP2's sharding,
+the LoRA GEMMs and the quantization in ``libtorch_cpu`` / ``libtorch_python`` / safetensors, first run by the load.
+Measured per rank from ``/proc/self/smaps`` at 2 gloo ranks of ``test_plan``'s 350 MB DiT: 23.7 MiB (bf16
+``rank_local`` with a LoRA), 25.6 MiB (the same with online fp8). Clean file pages, shared by a node's ranks and
+dropped under pressure: in ``host_peak`` (RSS), not in ``host_private_peak``. Planned for CPU loads (an
+accelerator's own libraries page in more, not measured here)."""
 
 
 @dataclass(frozen=True)
@@ -201,9 +77,10 @@ class _Shape:
     """Bytes (final dtypes) of the weights the LoRA fuses into: private copies where they viewed a mapping."""
     largest_file: int
     """The largest checkpoint file's tensor bytes: what a reader's mapping of one file holds at most."""
-    quantized: dict[str, tuple[int, int, int, bool]] = field(default_factory=dict)
-    """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale):
-    the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``)."""
+    quantized: dict[str, tuple[int, int, int, bool, int]] = field(default_factory=dict)
+    """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale,
+    elements): the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``;
+    ``plan_quant``)."""
     fp8_fuse: int = 0
     """Elements of the largest pre-quantized FP8 weight a LoRA fuses into (``prequant.fuse_transient_bytes``)."""
 
@@ -212,6 +89,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
                      options, lora_headers_only: bool = False, quantization=None) -> _Shape:
     from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
     from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+    from vllm_diffusion_plugin.engine.plan_quant import quantized_layers
     from vllm_diffusion_plugin.engine.quant_fuse import FP8
     from vllm_diffusion_plugin.engine.quant_shards import find_layers
     from vllm_diffusion_plugin.engine.skeleton import build_component
@@ -242,12 +120,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
         for key in tensors:
             step = next((i for i, n in enumerate(steps) if key.startswith(f"{n}.")), len(steps))
             order[key] = (files[key], step)
-    quantized = {}
-    for layer in layers:
-        step = next((i for i, n in enumerate(names) if layer.module.startswith(f"{n}.")), len(names))
-        rows, numel = layer.shape[0], layer.shape[0] * layer.shape[1]
-        scale = 4 * (1 if layer.per_tensor else rows)
-        quantized[layer.weight] = (numel * layer.method.quantized_dtype.itemsize, scale, step, layer.per_tensor)
+    quantized = quantized_layers(layers, names)
     lora_bytes = largest = targets = fp8_fuse = 0
     lora_file_bytes = sum(os.path.getsize(path) for path, _ in lora_files)
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
@@ -329,6 +202,7 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
                     options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int, int]:
     """(plan, host peak, device peak, private host peak, private host bytes held after it, file pages its module
     keeps viewing) of one component on ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
+    from vllm_diffusion_plugin.engine.plan_quant import quantized_bytes
     from vllm_diffusion_plugin.engine.prequant import fuse_transient_bytes
     from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
@@ -347,7 +221,8 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     local = sum(local_of.values())
     # online quantization: held quantized (+ scales); rank_local reads a block's rows into load-dtype transients,
     # full / broadcast hold the whole load-dtype tensor while its quantized copy is made
-    held_q, quant_rows, quant_whole = _quantized_bytes(shape, local_of, sharded=sharded, rank_local=rank_local)
+    held_q, quant_rows, quant_whole = quantized_bytes(shape.quantized, shape.tensors, local_of, sharded=sharded,
+                                                      rank_local=rank_local)
     if runs == "broadcast":
         bytes_read = whole_read if rank == 0 else 0
     else:
@@ -447,25 +322,10 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
                 mapped_after += held_mapped
                 if shape.is_dit and sharded:
                     gather = max(gather, first_run_gather(shape))
+            host_peak += 0 if on_device else LOAD_CODE_BYTES
             ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
                                   host_peak, device_peak if on_device else None, held_before + gather,
                                   private_peak, private_before + gather, mapped_after))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
                 unavailable, host_memory, device_memory, local_world_size)
 
-
-def _quantized_bytes(shape: _Shape, local_of: dict[str, int], *, sharded: bool, rank_local: bool):
-    """(bytes the quantized weights hold less than their load-dtype copies, rank_local's largest block of transient
-    rows, the largest whole tensor's quantized copy) for one component on one rank, from ``shape.quantized``."""
-    if not shape.quantized:
-        return 0, 0, 0
-    saved, per_block, largest = 0, {}, 0
-    for key, (qbytes, scale, block, per_tensor) in shape.quantized.items():
-        ckpt, final, rows, _ = shape.tensors.get(key, (0, 0, 0, False))
-        if not final:
-            continue
-        mine = local_of[key] if sharded else final  # this rank's rows, load dtype
-        saved += mine - qbytes * mine // final - (scale if per_tensor else scale * mine // final)
-        per_block[block] = per_block.get(block, 0) + mine
-        largest = max(largest, qbytes)
-    return saved, max(per_block.values(), default=0) if rank_local else 0, largest

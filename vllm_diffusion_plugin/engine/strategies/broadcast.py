@@ -316,6 +316,7 @@ class _Sender:
         if not self.pending:
             return
         started = time.perf_counter()
+        layers, fp8_files, other_files = serialized_layers(self.module), [], []
         for file_index in sorted({i for i, _ in self.pending}):  # file after file, as fuse_lora_files does
             deltas = {}
             for (i, name), parts in self.pending.items():
@@ -327,14 +328,17 @@ class _Sender:
                                                    bias_delta=d.bias_delta if "bias" in parts else None,
                                                    full_delta=d.full_delta if weight else None)
                 self.fused.add((i, name))
-            fp8, deltas = split_deltas(deltas, serialized_layers(self.module))  # dequantize, add, requantize
-            for stats in (fuse_fp8_layers(self.targets, fp8, modules=self.modules, chunk_mb=self.chunk_mb,
-                                          check_finite=self.check_finite, host_weights=self.host_weights)
-                          if fp8 else None,
-                          fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite,
-                                    host_weights=self.host_weights) if deltas else None):
-                if stats is not None:
-                    self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
+            fp8, deltas = split_deltas(deltas, layers)  # FP8 layers: every file's delta summed, requantized once
+            fp8_files.append(fp8)
+            other_files.append(deltas)
+        fused = [fuse_fp8_layers(self.targets, [f for f in fp8_files if f], modules=self.modules,
+                                 chunk_mb=self.chunk_mb, check_finite=self.check_finite,
+                                 host_weights=self.host_weights) if any(fp8_files) else None]
+        fused += [fuse_lora(self.module, deltas, chunk_mb=self.chunk_mb, check_finite=self.check_finite,
+                            host_weights=self.host_weights) for deltas in other_files if deltas]
+        for stats in fused:
+            if stats is not None:
+                self.lora_stats = stats if self.lora_stats is None else self.lora_stats + stats
         self.pending.clear()
         self.nested["lora"] += time.perf_counter() - started
 

@@ -1,0 +1,60 @@
+"""The plan's accounting of online-quantized DiT linears (``plan.plan_load(..., quantization=...)``).
+
+A quantized linear is read in the load dtype and held quantized (fp8 bytes plus its scales). Under ``rank_local``
+``quant_shards.quantize_by_block`` reads one FSDP block's local rows of them into load-dtype transients, fuses the
+LoRA there and quantizes row chunk by row chunk (``quant_fuse.row_chunks``); under ``full`` / ``broadcast`` the
+method quantizes each whole tensor beside the load-dtype DiT. Pure functions over ``plan._Shape`` figures; reads
+nothing, imports no door.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+QUANTIZE_BYTES_PER_ELEMENT = 8
+"""What ``quantize_rows`` holds at once per element of a row chunk: ``rows / scale`` in fp32 beside its clamped
+copy (4 + 4 bytes; the fp8 result, 1 byte, is made after the quotient goes)."""
+
+
+def quantized_layers(layers: Sequence, block_names: Sequence[str]) -> dict[str, tuple[int, int, int, bool, int]]:
+    """Online-quantized weight (``quant_shards.QuantLayer``) -> (quantized bytes, its scale's bytes, the index of its
+    FSDP block in ``block_names`` (``len(block_names)``: outside them), per-tensor scale, elements)."""
+    out = {}
+    for layer in layers:
+        block = next((i for i, n in enumerate(block_names) if layer.module.startswith(f"{n}.")), len(block_names))
+        rows, numel = layer.shape[0], layer.shape[0] * layer.shape[1]
+        scale = 4 * (1 if layer.per_tensor else rows)
+        out[layer.weight] = (numel * layer.method.quantized_dtype.itemsize, scale, block, layer.per_tensor, numel)
+    return out
+
+
+def quantize_chunk_bytes(elements: int) -> int:
+    """The temporaries of quantizing ``elements`` local elements of one weight, row chunk by row chunk (at most
+    ``quant_fuse.CHUNK_ELEMENTS`` at once, as ``quant_shards.quantize_by_block`` runs)."""
+    from vllm_diffusion_plugin.engine.quant_fuse import CHUNK_ELEMENTS
+
+    return QUANTIZE_BYTES_PER_ELEMENT * min(elements, CHUNK_ELEMENTS)
+
+
+def quantized_bytes(quantized: Mapping[str, tuple[int, int, int, bool, int]],
+                    tensors: Mapping[str, tuple[int, int, int, bool]], local_of: Mapping[str, int], *,
+                    sharded: bool, rank_local: bool) -> tuple[int, int, int]:
+    """``(bytes the quantized weights hold less than their load-dtype copies, rank_local's transient, the largest
+    whole tensor's quantized copy)`` for one component on one rank. ``quantized``: :func:`quantized_layers`;
+    ``tensors``: ``plan._Shape.tensors`` (checkpoint bytes, final bytes, rows, sharded); ``local_of``: this rank's
+    bytes of each tensor in the load dtype. rank_local's transient: the largest block's local rows in the load dtype
+    plus the row-chunk temporaries of quantizing its largest weight (:func:`quantize_chunk_bytes`)."""
+    if not quantized:
+        return 0, 0, 0
+    saved, per_block, largest, chunk = 0, {}, 0, 0
+    for key, (qbytes, scale, block, per_tensor, numel) in quantized.items():
+        final = tensors.get(key, (0, 0, 0, False))[1]
+        if not final:
+            continue
+        mine = local_of[key] if sharded else final  # this rank's rows, load dtype
+        saved += mine - qbytes * mine // final - (scale if per_tensor else scale * mine // final)
+        per_block[block] = per_block.get(block, 0) + mine
+        largest = max(largest, qbytes)
+        chunk = max(chunk, quantize_chunk_bytes(numel * mine // final))
+    transient = max(per_block.values(), default=0) + chunk if rank_local else 0
+    return saved, transient, largest
