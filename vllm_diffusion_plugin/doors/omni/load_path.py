@@ -16,6 +16,7 @@ no knowledge of vllm-omni's packing. Online quantization then quantizes the fuse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -113,6 +114,9 @@ class DitSource:
     """Threads reading its bytes (``engine.reader``)."""
     staging_bytes: int = 0
     """Page-locked bytes its reads onto an accelerator stage through (``pinned_staging_mb``; 0: pageable copies)."""
+    stamps: dict = field(default_factory=dict)
+    """Its files' identities right after their headers were read (``engine.integrity.stamp``): a shard truncated
+    or replaced since is named (:func:`unchanged`)."""
 
     def staging(self, device: torch.device | None):
         """``reader.DeviceStaging`` for reads landing on ``device``, or None (no accelerator, 0 bytes, no pinned
@@ -121,6 +125,18 @@ class DitSource:
 
         return None if device is None else DeviceStaging.open(device, max_bytes=self.staging_bytes,
                                                               threads=self.threads)
+
+
+@contextlib.contextmanager
+def unchanged(dits: Iterable[DitSource]) -> Iterator[None]:
+    """Around a read of ``dits``' bytes (and what consumes them): a file of one that changed since stamped is named
+    (``engine.integrity.unchanged``: ``CheckpointChangedError``), whether the read failed on it or read it silently."""
+    from vllm_diffusion_plugin.engine import integrity
+
+    with contextlib.ExitStack() as stack:
+        for dit in dits:
+            stack.enter_context(integrity.unchanged(dit.stamps, component=dit.component))
+        yield
 
 
 def component_name(omni_source: Any) -> str:
@@ -144,16 +160,19 @@ def resolve_sources(omni_sources: Sequence[Any], *, allow_pickle: bool) -> list[
 def stream(dits: Iterable[DitSource], device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every DiT's tensors, prefixed with vllm-omni's source prefix, LoRA fused; counts bytes per component.
     ``device``: where the DiTs' parameters are (an accelerator): the tensors are handed out there, copied through
-    pinned staging (``DitSource.staging``), so vllm-omni's weight loaders copy device to device."""
+    pinned staging (``DitSource.staging``), so vllm-omni's weight loaders copy device to device. A DiT's file
+    that changed since stamped (``DitSource.stamps``) is named once its tensors were read, or when a read failed;
+    a failure in the consumer is the caller's to check (:func:`unchanged`)."""
     from vllm_diffusion_plugin.engine.weights import LoadStats, iterate_weights
 
     for dit in dits:
         stats, start = LoadStats(), time.perf_counter()
-        for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads,
-                                            staging=dit.staging(device)):
-            if dit.fuser is not None:
-                tensor = dit.fuser(name, tensor)
-            yield dit.prefix + name, tensor
+        with unchanged([dit]):
+            for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads,
+                                                staging=dit.staging(device)):
+                if dit.fuser is not None:
+                    tensor = dit.fuser(name, tensor)
+                yield dit.prefix + name, tensor
         dit.report.bytes_read, dit.report.tensors = stats.total_bytes, stats.tensors
         if dit.fuser is not None:
             dit.fuser.check_consumed(dit.component)
