@@ -13,62 +13,18 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from fault_cli import finish as _finish
+from fault_cli import left_behind as _left_behind
+from fault_cli import start as _start
 from fuse_store import faulty_store, wait_for
-from proc_utils import alive, children, is_rank
+from proc_utils import children, is_rank
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
-CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
-LOAD = ("--device", "cpu", "--dtype", "float32")
-
-
-def _start(checkpoint: Path, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path, Path]:
-    """The CLI loading ``checkpoint`` with ``--save-fused``, its temporary files under its own TMPDIR (the ranks'
-    work folder is ``vllm-diffusion-ranks-*`` there; third-party caches land there too) and, as root, its own
-    /dev/shm: ``tmp_path/shm`` bound over it in a private mount namespace (other processes on the host create and
-    leave segments in the real one)."""
-    tmp, out, shm = tmp_path / "tmpdir", tmp_path / "out" / "fused", tmp_path / "shm"
-    for folder in (tmp, out.parent, shm):
-        folder.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION") and k != "VLLM_CONFIGURE_LOGGING"}
-    env["TMPDIR"] = str(tmp)
-    command = [*CLI, "load", str(checkpoint), *LOAD, "--save-fused", str(out), *args]
-    if os.geteuid() == 0 and shutil.which("unshare"):  # exec all the way: the CLI keeps this process id
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   'mount --bind "$0" /dev/shm && exec "$@"', str(shm), *command]
-    # files, not pipes: a rank stuck in a stalled read holds the CLI's stdout and stderr until the store answers
-    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path)
-    return proc, tmp, out
-
-
-def _finish(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 120) -> str:
-    """The CLI's stderr once it exited (within ``timeout_s``: generous, the ranks must be gone well before)."""
-    try:
-        proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return (tmp_path / "stderr").read_text()
-
-
-def _left_behind(pids: list[int], tmp: Path, out: Path) -> list[str]:
-    """Processes still alive (a rank stuck in the store ends once the store is gone: call after unmounting), the
-    CLI's /dev/shm segments, its work folder, anything in the output's folder."""
-    deadline = time.monotonic() + 30
-    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return ([f"process {p}" for p in pids if alive(p)] + [f"/dev/shm/{p.name}" for p in (tmp.parent / "shm").iterdir()]
-            + [str(p) for p in tmp.glob("vllm-diffusion-*")] + [str(p) for p in out.parent.iterdir()])
 
 
 def _shard(checkpoint: Path) -> Path:
