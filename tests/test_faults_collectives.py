@@ -1,5 +1,5 @@
 """Faults during a load (issue 36, part 2), the CLI door at 2 ranks in a real gloo group: a rank SIGKILLed while it
-or its peer waits in a collective after the reads.
+or its peer waits in a collective after the reads, and a peer that stalls (alive) while the other waits in one.
 
 The phases are reached by markers, not by time (``fault_hooks.py``): rank 1 is held in ``rank_local``'s read of its
 own rows, alive and answering no one (``FAULT_HOLD``), so rank 0 -- which reads its rows and every other component
@@ -67,5 +67,29 @@ def test_a_rank_sigkilled_in_or_before_a_collective_after_the_reads_is_named(tin
     assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
     assert lines[0].startswith(f"vllm-diffusion: error: rank {victim} died of SIGKILL (out of memory or killed "
                                f"from outside)"), lines[0]
+    assert gone < GONE_S, gone
+    assert left_behind(list(ranks.values()), tmp, out) == []
+
+
+def test_a_stalled_peer_ends_the_load_after_the_collective_timeout_naming_it(tiny_wan_dir, tmp_path):
+    """Rank 1 held in its read and then SIGSTOPped (alive, answering nothing, not even SIGTERM) while rank 0 waits
+    in the all-gather of the sharded DiT: with ``--collective-timeout 5`` rank 0's collective fails after 5 s, its
+    line names the collective timeout, and the launcher stops rank 1 (SIGTERM stays pending on a stopped process:
+    SIGKILL after the grace period). All gone within the bound, nothing left."""
+    proc, tmp, out, ranks, _ = _held_load(tiny_wan_dir, tmp_path, "--collective-timeout", "5")
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        err = finish(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone = time.monotonic() - stopped + gone_within(list(ranks.values()), GONE_S)
+    print(f"\n[all gone] stalled rank 1, collective timeout 5 s: {gone:.1f} s after its SIGSTOP", flush=True)
+    lines = errors(err)
+    print(lines, flush=True)
+    assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
+    assert "on rank 0 of 2" in lines[0], lines[0]
+    assert "collective timeout 5 s" in lines[0] and "--collective-timeout" in lines[0], lines[0]
     assert gone < GONE_S, gone
     assert left_behind(list(ranks.values()), tmp, out) == []
