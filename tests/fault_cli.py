@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from proc_utils import alive
@@ -26,18 +26,19 @@ LOAD = ("--device", "cpu", "--dtype", "float32")
 
 
 def start(checkpoint: Path, tmp_path: Path, *args: str, script: Path | None = None, env: Mapping[str, str] = {},
-          save_fused: bool = True) -> tuple[subprocess.Popen, Path, Path]:
+          save_fused: bool = True, launcher: Sequence[str] = ()) -> tuple[subprocess.Popen, Path, Path]:
     """The CLI loading ``checkpoint`` with ``--save-fused`` (unless ``save_fused`` is false), its temporary files
     under its own TMPDIR (the ranks' work folder is ``vllm-diffusion-ranks-*`` there; third-party caches land there
     too) and, as root, its own /dev/shm: ``tmp_path/shm`` bound over it in a private mount namespace (other
-    processes on the host create and leave segments in the real one)."""
+    processes on the host create and leave segments in the real one). ``launcher``: what runs the script (with
+    ``script``), e.g. ``python -m torch.distributed.run --nnodes 2 ...``."""
     tmp, out, shm = tmp_path / "tmpdir", tmp_path / "out" / "fused", tmp_path / "shm"
     for folder in (tmp, out.parent, shm):
         folder.mkdir()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")
                and k != "VLLM_CONFIGURE_LOGGING"}
     environ.update(TMPDIR=str(tmp), PYTHONPATH=os.pathsep.join([str(ROOT), environ.get("PYTHONPATH", "")]), **env)
-    program = CLI if script is None else [sys.executable, str(script)]
+    program = CLI if script is None else [*(launcher or [sys.executable]), str(script)]
     command = [*program, "load", str(checkpoint), *LOAD, *(("--save-fused", str(out)) if save_fused else ()), *args]
     if os.geteuid() == 0 and shutil.which("unshare"):  # exec all the way: the CLI keeps this process id
         command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",

@@ -6,7 +6,8 @@ too: it is the ranks' ``__main__``; under ``torchrun`` each rank runs it). Marke
   there, alive, never answering its peers (until it is killed or stopped);
 - ``FAULT_MARK_COLLECTIVES=1``: each rank writes ``collective-rankR.json`` as it enters its first collective after
   its reads: the all-gather of an FSDP-sharded parameter (``DTensor.full_tensor``: ``--save-fused``) or the
-  report's ``gather_object``.
+  report's ``gather_object``;
+- under ``torchrun`` (with ``FAULT_DIR``), each rank writes ``started-rankR.json`` as it starts.
 
     python tests/fault_hooks.py load DIR ...      (the arguments of ``vllm-diffusion``)
 """
@@ -49,6 +50,8 @@ def _marking(original, what: str):
     return marked
 
 
+if os.environ.get("FAULT_DIR") and "TORCHELASTIC_RUN_ID" in os.environ:
+    mark("started", "a torchrun worker")
 if os.environ.get("FAULT_HOLD"):
     from vllm_diffusion_plugin.engine.strategies import rank_local
 
