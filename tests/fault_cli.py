@@ -75,11 +75,14 @@ def gone_within(pids: list[int], timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def left_behind(pids: list[int], tmp: Path, out: Path) -> list[str]:
+def left_behind(pids: list[int], tmp: Path, out: Path, *, temp_files: bool = True) -> list[str]:
     """Processes still alive (a rank stuck in the store ends once the store is gone: call after unmounting), the
-    CLI's /dev/shm segments, its work folder, anything in the output's folder."""
+    CLI's /dev/shm segments, its work folder, anything in the output's folder and (``temp_files``) temporary files
+    or folders a rank made with ``tempfile``'s default names (``tmp*``; caches like ``torchinductor_<user>`` are
+    kept on purpose)."""
     deadline = time.monotonic() + 30
     while [p for p in pids if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
     return ([f"process {p}" for p in pids if alive(p)] + [f"/dev/shm/{p.name}" for p in (tmp.parent / "shm").iterdir()]
-            + [str(p) for p in tmp.glob("vllm-diffusion-*")] + [str(p) for p in out.parent.iterdir()])
+            + [str(p) for p in tmp.glob("vllm-diffusion-*")] + [str(p) for p in out.parent.iterdir()]
+            + ([str(p) for p in tmp.glob("tmp*")] if temp_files else []))

@@ -61,8 +61,10 @@ def _finish_all(nodes) -> list[str]:
 
 
 def _check_left(nodes, ranks: list[int]) -> None:
+    """Under torchrun no launcher of ours owns the ranks' TMPDIR: a SIGKILLed rank leaves what third-party imports
+    made there (a ``tmp*`` folder), and torchrun its ``torchelastic_*`` logs; not checked here."""
     for proc, tmp, out, _ in nodes:
-        assert left_behind([proc.pid, *ranks], tmp, out) == []
+        assert left_behind([proc.pid, *ranks], tmp, out, temp_files=False) == []
 
 
 def test_an_io_error_on_node_1_is_named_there_and_ends_node_0_naming_rank_1(tiny_wan_dir, tmp_path):
