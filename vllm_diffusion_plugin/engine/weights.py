@@ -139,8 +139,10 @@ def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, 
     stderr is a terminal and the component is > 1 GiB, or when ``progress=True``; ``progress=False``
     never shows one. A tensor whose file changed since it was resolved raises ``CheckpointError``.
     ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``file_reads.mapped_file``).
-    ``threads`` > 1: safetensors tensors are mapped and faulted in by that many threads ahead of the consumer
-    (``reader.read_ahead``), still yielded in the same order; stats and the bar count a tensor when it is yielded.
+    Safetensors tensors (not staged) view a mapping of their file and are read in before they are yielded
+    (``pagein.fault_in``: a failing store is an error naming the file and the byte, not a SIGBUS): by the loading
+    thread, or with ``threads`` > 1 by that many threads ahead of the consumer (``reader.read_ahead``), still
+    yielded in the same order; stats and the bar count a tensor when it is yielded.
     ``staging`` (safetensors): every tensor is yielded on its accelerator, copied through its page-locked ring by
     ``threads`` threads (the caller's copies from it then run at device speed); same values.
     """
