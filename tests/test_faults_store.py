@@ -13,62 +13,21 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from fault_cli import ROOT
+from fault_cli import finish as _finish
+from fault_cli import left_behind as _left_behind
+from fault_cli import start as _start
 from fuse_store import faulty_store, wait_for
-from proc_utils import alive, children, is_rank
+from proc_utils import children, is_rank
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
-CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
-LOAD = ("--device", "cpu", "--dtype", "float32")
-
-
-def _start(checkpoint: Path, tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path, Path]:
-    """The CLI loading ``checkpoint`` with ``--save-fused``, its temporary files under its own TMPDIR (the ranks'
-    work folder is ``vllm-diffusion-ranks-*`` there; third-party caches land there too) and, as root, its own
-    /dev/shm: ``tmp_path/shm`` bound over it in a private mount namespace (other processes on the host create and
-    leave segments in the real one)."""
-    tmp, out, shm = tmp_path / "tmpdir", tmp_path / "out" / "fused", tmp_path / "shm"
-    for folder in (tmp, out.parent, shm):
-        folder.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION") and k != "VLLM_CONFIGURE_LOGGING"}
-    env["TMPDIR"] = str(tmp)
-    command = [*CLI, "load", str(checkpoint), *LOAD, "--save-fused", str(out), *args]
-    if os.geteuid() == 0 and shutil.which("unshare"):  # exec all the way: the CLI keeps this process id
-        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                   'mount --bind "$0" /dev/shm && exec "$@"', str(shm), *command]
-    # files, not pipes: a rank stuck in a stalled read holds the CLI's stdout and stderr until the store answers
-    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
-        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=tmp_path)
-    return proc, tmp, out
-
-
-def _finish(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 120) -> str:
-    """The CLI's stderr once it exited (within ``timeout_s``: generous, the ranks must be gone well before)."""
-    try:
-        proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return (tmp_path / "stderr").read_text()
-
-
-def _left_behind(pids: list[int], tmp: Path, out: Path) -> list[str]:
-    """Processes still alive (a rank stuck in the store ends once the store is gone: call after unmounting), the
-    CLI's /dev/shm segments, its work folder, anything in the output's folder."""
-    deadline = time.monotonic() + 30
-    while [p for p in pids if alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return ([f"process {p}" for p in pids if alive(p)] + [f"/dev/shm/{p.name}" for p in (tmp.parent / "shm").iterdir()]
-            + [str(p) for p in tmp.glob("vllm-diffusion-*")] + [str(p) for p in out.parent.iterdir()])
 
 
 def _shard(checkpoint: Path) -> Path:
@@ -132,14 +91,16 @@ def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, 
     assert _left_behind(ranks, tmp, out) == []
 
 
-@pytest.mark.parametrize("strategy", ["full", "rank_local"])
-def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, strategy):
+@pytest.mark.parametrize(("strategy", "threads"), [("full", "4"), ("rank_local", "4"), ("full", "1")])
+def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, strategy, threads):
     """The store fails reads of one shard's last page with EIO. ``full`` views mapped files: before, the failed
     page-in killed each rank with SIGBUS (``rank 0 exited with code -7``, no file named); ``rank_local`` ``pread``s:
-    before, ``[Errno 5] Input/output error``, naming nothing (both seen on main)."""
+    before, ``[Errno 5] Input/output error``, naming nothing (both seen on main). With one read thread the loading
+    thread read the tensors itself (safetensors' own mapping): before, ``rank 0 died of SIGBUS``, no file named."""
     shard = _shard(tiny_wan_dir)
     with faulty_store(tiny_wan_dir, tmp_path, shard, mode="eio") as (checkpoint, fault):
-        proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", strategy)
+        proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", strategy,
+                                "--read-threads", threads)
         err = _finish(proc, tmp_path)
         failed = wait_for(fault.marker, timeout_s=0)
     errors = [line for line in err.splitlines() if line.startswith("vllm-diffusion: ")]
@@ -149,3 +110,46 @@ def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, s
     offset = int(re.search(r" at byte (\d+)", errors[0]).group(1))
     assert failed["offset"] <= offset < failed["offset"] + failed["size"], (offset, failed)  # the page that failed
     assert _left_behind([], tmp, out) == []
+
+
+NO_POPULATE = """
+import ctypes, errno, sys
+from vllm_diffusion_plugin.engine import pagein
+from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+from vllm_diffusion_plugin.engine.weights import iterate_weights
+
+
+def no_populate(address, length):  # a kernel before 5.14: madvise(MADV_POPULATE_READ) is EINVAL
+    ctypes.set_errno(errno.EINVAL)
+    return -1
+
+
+pagein._madvise_populate = no_populate
+source = next(s for s in resolve_checkpoint(sys.argv[1]) if s.name == "transformer")
+try:
+    for _ in iterate_weights(source, threads=int(sys.argv[2])):
+        pass
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}")
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_without_madv_populate_read_an_io_error_is_named_not_a_sigbus(tiny_wan_dir, tmp_path, threads):
+    """A kernel without ``MADV_POPULATE_READ`` (madvise answers EINVAL, forced here): a tensor of a mapped file is
+    read with ``pread`` instead of by touching its pages, so the store's EIO is an error naming the file and the
+    offset. Before: the touch (or, with one thread, safetensors' own read of its mapping) killed the process with
+    SIGBUS. In a child process: a SIGBUS here would end pytest."""
+    shard = _shard(tiny_wan_dir)
+    with faulty_store(tiny_wan_dir, tmp_path, shard, mode="eio") as (checkpoint, fault):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-c", NO_POPULATE, str(checkpoint), str(threads)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        failed = wait_for(fault.marker, timeout_s=0)
+    assert proc.returncode == 3, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    mounted = checkpoint / "transformer" / shard.name
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"CheckpointError: {mounted}: error while reading tensor "), line
+    offset = int(re.search(r" at byte (\d+)", line).group(1))
+    assert failed["offset"] <= offset < failed["offset"] + failed["size"], (offset, failed)

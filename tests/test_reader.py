@@ -142,7 +142,7 @@ def test_iterate_weights_faults_tensors_in_on_several_threads_same_bytes_same_or
 def test_a_corrupt_shard_read_on_a_thread_names_the_file(tiny_wan_dir, monkeypatch):
     source = next(s for s in resolve_checkpoint(tiny_wan_dir) if s.name == "transformer")
 
-    def fault_in(tensor):
+    def fault_in(tensor, *_where):
         raise RuntimeError("Bus error reading page")
 
     monkeypatch.setattr(reader, "fault_in", fault_in)

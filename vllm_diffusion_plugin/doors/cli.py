@@ -23,7 +23,6 @@ after the signal (``--save-fused`` output appears only complete, by one rename a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
@@ -224,7 +223,7 @@ def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: s
     import torch.distributed as dist
 
     from vllm_diffusion_plugin import compat
-    from vllm_diffusion_plugin.engine import platform
+    from vllm_diffusion_plugin.doors import rank_group
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, resolve_target_device, save_components
     from vllm_diffusion_plugin.engine.report import merge_ranks
@@ -236,37 +235,28 @@ def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: s
 
     preflight_device(plan, options=_options(args), device=device, rank=int(os.environ.get("RANK", "0")))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    started_dist = False
-    if world_size > 1 and not dist.is_initialized():
-        if device.type != "cpu":
-            getattr(torch, device.type).set_device(device)
-        options = _options(args)
-        timeout = datetime.timedelta(seconds=options.collective_timeout_s)
-        if init_method is None:  # torchrun: its env:// rendezvous
-            dist.init_process_group(platform.dist_backend(device), timeout=timeout)
-        else:  # spawned ranks: a file store, no port to pick and race for
-            dist.init_process_group(platform.dist_backend(device), init_method=init_method,
-                                    rank=int(os.environ["RANK"]), world_size=world_size, timeout=timeout)
-        from vllm_diffusion_plugin._logging import init_logger
-
-        init_logger(__name__).info("Rank %d of %d joined the process group (%s): collective timeout %g s, read "
-                                   "timeout %g s", dist.get_rank(), world_size, dist.get_backend(),
-                                   options.collective_timeout_s, options.read_timeout_s)
-        started_dist = True
+    options = _options(args)
+    started_dist = world_size > 1 and not dist.is_initialized()
+    if started_dist:
+        rank_group.join(device, collective_timeout_s=options.collective_timeout_s,
+                        read_timeout_s=options.read_timeout_s, init_method=init_method)
+    bound = options.collective_timeout_s
     try:
-        options = _options(args)
         hsdp = (HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size)
                 if world_size > 1 else None)
-        loaded = load_components(
-            args.checkpoint, options=options, components=args.components, device=device,
-            dtype=getattr(torch, args.dtype), hsdp=hsdp, progress=not args.json and sys.stderr.isatty(),
-            lora_specs=[LoraSpec.parse(text, default_scale=args.lora_scale) for text in args.lora])
-        if args.save_fused is not None:
-            save_components(loaded, out_dir)  # every rank takes part in the gathers; rank 0 writes
+        with rank_group.collectives(f"a collective of the load of {args.checkpoint}", timeout_s=bound):
+            loaded = load_components(
+                args.checkpoint, options=options, components=args.components, device=device,
+                dtype=getattr(torch, args.dtype), hsdp=hsdp, progress=not args.json and sys.stderr.isatty(),
+                lora_specs=[LoraSpec.parse(text, default_scale=args.lora_scale) for text in args.lora])
+        if args.save_fused is not None:  # every rank takes part in the gathers; rank 0 writes
+            with rank_group.collectives("the all-gather of the sharded parameters for --save-fused", timeout_s=bound):
+                save_components(loaded, out_dir)
         reports = [loaded.report]
         if world_size > 1:
             gathered = [None] * world_size if dist.get_rank() == 0 else None
-            dist.gather_object(loaded.report, gathered, dst=0)
+            with rank_group.collectives("the gather of the ranks' load reports", timeout_s=bound):
+                dist.gather_object(loaded.report, gathered, dst=0)
             reports = gathered or reports
         return merge_ranks(reports)
     finally:

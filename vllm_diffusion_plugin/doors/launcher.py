@@ -14,6 +14,8 @@
   handles it, and any exception in the launcher (``KeyboardInterrupt``, the CLI's SIGTERM exception) stops
   every rank -- SIGTERM, then SIGKILL after a grace period -- before it propagates. A rank also dies with its
   launcher (Linux ``PR_SET_PDEATHSIG``) should the launcher itself be killed outright.
+- Each rank's temporary files go into its own folder in the work folder (``TMPDIR``), removed with it: a rank
+  killed or stopped leaves none behind.
 - A rank whose thread waits in the kernel for a read a store never answers cannot be ended by any signal (Linux
   waits out a FUSE request its server took): a rank counts as failed once it wrote its error, and ``stop`` leaves a
   rank still there after its SIGKILL, with a warning naming it, so the launcher itself returns.
@@ -21,13 +23,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -76,7 +79,8 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
         for rank in range(world_size):
             proc = ctx.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
                                args=(target, rank, world_size, workdir, tuple(args), verbose, os.getpid()))
-            proc.start()
+            with _temporary_files_in(workdir / f"tmp-rank{rank}"):
+                proc.start()
             procs.append(proc)
     except BaseException:
         stop(procs)
@@ -88,6 +92,23 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
         _wait(procs, workdir)
     finally:
         stop(procs)
+
+
+@contextlib.contextmanager
+def _temporary_files_in(folder: Path) -> Iterator[None]:
+    """A rank spawned in this block makes its temporary files in ``folder`` (``TMPDIR``; inside the work folder,
+    which goes with the launcher): a rank killed or stopped leaves none in the user's (seen: third-party packages
+    imported by vLLM make a ``tmp*`` folder at import and remove it only at a clean exit)."""
+    folder.mkdir(exist_ok=True)
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)  # a spawned child takes this process's environment as it starts
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous
 
 
 def _wait(procs: list, workdir: Path) -> None:

@@ -12,8 +12,8 @@ consumer waits at most ``read_timeout_s`` for one read (:func:`bounded_reads`), 
 offset: a store that stopped answering ends the load, though Linux keeps the stuck thread until the store answers.
 
 Two kinds of job use it: a safetensors tensor viewing a private mapping of its file (``full``, ``broadcast``, the
-vllm-omni door; :func:`fault_in` touches every page of it once), and this rank's rows of a tensor read with
-``pread`` straight into its shard (``rank_local``).
+vllm-omni door; ``pagein.fault_in`` reads its pages in, an I/O error named), and this rank's rows of a tensor read
+with ``pread`` straight into its shard (``rank_local``).
 
 Onto an accelerator, :class:`DeviceStaging` owns the rest of the way: a bounded ring of page-locked host buffers
 the read threads fill, a copy stream that copies each filled buffer to the device without blocking while the next
@@ -25,13 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
-import errno
-import functools
-import mmap
-import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +38,7 @@ from typing import Any, TypeVar
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.pagein import fault_in, pread_into  # noqa: F401  (re-exported: readers' names)
 
 logger = init_logger(__name__)
 
@@ -163,78 +158,6 @@ def read_ahead(jobs: Iterable[J], read: Callable[[J], R], *, threads: int, nbyte
         for _, _, future in pending:
             future.cancel()
         readers.close(wait_s=0.0 if stuck else timeout_s)
-
-
-def pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
-    """Fill the contiguous CPU tensor ``dst`` with the file's bytes at ``offset`` (no mmap, no extra copy); an
-    I/O error names the file and the byte it failed at."""
-    from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
-
-    view = memoryview(dst.detach().view(-1).view(torch.uint8).numpy())
-    done = 0
-    while done < len(view):
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as exc:
-            raise CheckpointError(f"{file}: {exc.strerror or exc} reading {len(view) - done} bytes at byte "
-                                  f"{offset + done} (errno {exc.errno})") from exc
-        if n <= 0:
-            raise CheckpointError(f"{file}: unexpected end of file at byte {offset + done} (truncated since it "
-                                  f"was resolved?)")
-        done += n
-
-
-_MADV_POPULATE_READ = 22  # Linux 5.14+: fault pages in, an I/O error returned as EFAULT instead of a SIGBUS
-_populate = {"works": sys.platform.startswith("linux")}
-
-
-def fault_in(tensor: torch.Tensor) -> None:
-    """Read every page of a tensor viewing a mapped file into memory, so the consumer's copy finds it there.
-
-    On Linux 5.14+ with ``madvise(MADV_POPULATE_READ)``: an I/O error under the mapping (a store failing a read)
-    raises ``OSError`` naming the byte offset in the file (the mapping starts at byte 0), where touching the pages
-    would kill the process with SIGBUS. Elsewhere one byte per page is touched."""
-    if tensor.numel() == 0 or not tensor.is_contiguous():
-        return
-    if _populate["works"]:
-        start = tensor.data_ptr()
-        if _madvise_populate(start, tensor.numel() * tensor.element_size()) == 0:
-            return
-        failed = ctypes.get_errno()
-        if failed in (errno.EFAULT, errno.EIO):  # a page-in that touching would have answered with SIGBUS
-            raise OSError(errno.EIO, f"I/O error under the mapping at byte {_first_bad_byte(tensor)} (a read of "
-                                     f"the file failed)")
-        if failed in (errno.EINVAL, errno.ENOSYS):  # an older kernel: touch the pages from now on
-            _populate["works"] = False
-        # else (EINTR, ENOMEM, EAGAIN): touch them this time
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    flat[::mmap.PAGESIZE].max()  # one byte per page: the kernel reads the page (and its readahead) here
-    flat[-1].item()  # the last page, when the bytes do not start on a page boundary
-
-
-def _madvise_populate(address: int, length: int) -> int:
-    libc = _libc()
-    page = address - address % mmap.PAGESIZE
-    return libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(length + address - page), _MADV_POPULATE_READ)
-
-
-def _first_bad_byte(tensor: torch.Tensor) -> int:
-    """The file offset of the first page of ``tensor`` that cannot be read in (only after a failed populate)."""
-    base = tensor.storage_offset() * tensor.element_size()  # the storage maps the file from byte 0
-    start, length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-    first = start - start % mmap.PAGESIZE
-    step = 1 << 20
-    for chunk in range(first, start + length, step):  # MiB by MiB, then page by page: only on this error path
-        if _madvise_populate(chunk, min(step, start + length - chunk)) != 0:
-            for page in range(chunk, min(chunk + step, start + length), mmap.PAGESIZE):
-                if _madvise_populate(page, mmap.PAGESIZE) != 0:
-                    return base + max(0, page - start)
-    return base
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 # ---- onto an accelerator: a bounded ring of page-locked buffers and a copy stream -------------------------------

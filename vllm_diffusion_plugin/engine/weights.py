@@ -10,7 +10,6 @@ shape and dtype from the file headers *before* touching the module, so a mismatc
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import file_reads
 from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
 from vllm_diffusion_plugin.engine.progress import progress_bar
 
@@ -88,26 +88,10 @@ def _open_pickle(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{file}: cannot load with torch.load(weights_only=True): {exc}") from exc
 
 
-def _mapped_file(source: ComponentSource, file: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors viewing one private (copy-on-write) mapping of a safetensors file: reading them costs page
-    faults on the page cache, writing one copies only the pages it touches, and nothing reaches the file.
-    A tensor whose offset does not suit its dtype's alignment is copied out instead."""
-    with open(file, "rb") as f:
-        data_start = 8 + int.from_bytes(f.read(8), "little")
-    storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=file.stat().st_size)
-    for key in keys:
-        info = source.tensors[key]
-        start = data_start + info.offset
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage, start, (info.nbytes,), (1,))
-        if start % info.dtype.itemsize:
-            raw = raw.clone()
-        yield key, raw.view(info.dtype).view(info.shape)
-
-
 def _iter_file(source: ComponentSource, file: Path, keys: list[str],
                map_private: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     if map_private and source.format == "safetensors":
-        yield from _mapped_file(source, file, keys)
+        yield from file_reads.mapped_file(source, file, keys)
         return
     if source.format == "pickle":
         state = _open_pickle(file)
@@ -154,65 +138,15 @@ def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, 
     ``stats`` (optional) accumulates bytes per file. A progress bar over bytes is shown on rank 0 when
     stderr is a terminal and the component is > 1 GiB, or when ``progress=True``; ``progress=False``
     never shows one. A tensor whose file changed since it was resolved raises ``CheckpointError``.
-    ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``_mapped_file``).
-    ``threads`` > 1: safetensors tensors are mapped and faulted in by that many threads ahead of the consumer
-    (``reader.read_ahead``), still yielded in the same order; stats and the bar count a tensor when it is yielded.
+    ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``file_reads.mapped_file``).
+    Safetensors tensors (not staged) view a mapping of their file and are read in before they are yielded
+    (``pagein.fault_in``: a failing store is an error naming the file and the byte, not a SIGBUS): by the loading
+    thread, or with ``threads`` > 1 by that many threads ahead of the consumer (``reader.read_ahead``), still
+    yielded in the same order; stats and the bar count a tensor when it is yielded.
     ``staging`` (safetensors): every tensor is yielded on its accelerator, copied through its page-locked ring by
     ``threads`` threads (the caller's copies from it then run at device speed); same values.
     """
     return WeightStream(source, _generate(source, stats, keys, progress, map_private, threads, staging))
-
-
-def _named(file: Path | str, key: str, work, *args) -> None:
-    """``work(*args)``, its error raised as a ``CheckpointError`` naming the file and the tensor."""
-    try:
-        work(*args)
-    except Exception as exc:
-        raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
-
-
-class _FileReads:
-    """``fill`` callables for ``reader.StagedCopy``: each tensor's bytes ``pread`` from its safetensors file into the
-    staging buffer (one kernel copy from the page cache, no mapping, no page faults), errors naming the file and
-    the tensor. Each file's header is read again when it is first opened and must still be the resolved one; one
-    descriptor per file, closed on exit."""
-
-    def __init__(self, source: ComponentSource) -> None:
-        self.source = source
-        self._open: dict[Path, tuple[int, int]] = {}
-
-    def fill(self, key: str):
-        from vllm_diffusion_plugin.engine.reader import pread_into
-
-        info = self.source.tensors[key]
-        fd, data_start = self._descriptor(info.file)
-        return lambda buffer, start: _named(info.file, key, pread_into, fd, data_start + info.offset + start,
-                                            buffer, info.file)
-
-    def where(self, key: str):
-        """``StagedCopy.where`` for ``key`` (after ``fill(key)``): its file and the byte a chunk starts at."""
-        info = self.source.tensors[key]
-        data_start = self._open[info.file][1]
-        return lambda start: f"{info.file} at byte {data_start + info.offset + start} (tensor {key!r})"
-
-    def _descriptor(self, file: Path) -> tuple[int, int]:
-        if file not in self._open:
-            from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
-
-            data_start = unchanged_data_start(self.source, file, self.source.keys_in(file))
-            self._open[file] = (os.open(file, os.O_RDONLY), data_start)
-        return self._open[file]
-
-    def close(self) -> None:
-        for fd, _ in self._open.values():
-            os.close(fd)
-        self._open.clear()
-
-    def __enter__(self) -> _FileReads:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
@@ -224,21 +158,28 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
     plan = [(file, [k for k in source.keys_in(file) if wanted is None or k in wanted]) for file in source.files]
     bar = _progress_bar(source, sum(source.tensors[k].nbytes for _, ks in plan for k in ks), progress)
     staged = staging is not None and source.format == "safetensors"
-    parallel = threads > 1 and source.format == "safetensors" and not staged
+    mapped = source.format == "safetensors" and not staged  # viewed in a mapping, its pages read in by fault_in
     items = ((file, key, tensor) for file, file_keys in plan
-             for key, tensor in _iter_file(source, file, file_keys, map_private or parallel))
+             for key, tensor in _iter_file(source, file, file_keys, map_private or mapped))
+    starts: dict[Path, int] = {}
 
-    def read(item: tuple[Path, str, torch.Tensor]) -> None:
-        # threads: the pages are read in here, an I/O error named (reader.fault_in); one thread: the consumer's
-        # copy reads them (a failed page-in there is a SIGBUS)
-        if parallel:
-            _named(*item[:2], reader.fault_in, item[2])
+    def read(item: tuple[Path, str, torch.Tensor]) -> torch.Tensor | None:
+        # on the read threads (or inline with one): the pages are read in here, an I/O error named where the
+        # consumer's copy touching them would die of SIGBUS; None, or the tensor read by pread instead (a kernel
+        # without MADV_POPULATE_READ: pagein.fault_in)
+        if not mapped:
+            return None
+        file, key, tensor = item
+        if file not in starts:
+            starts[file] = file_reads.data_start(file)
+        at = file_reads.mapped_at(starts[file] + source.tensors[key].offset, source.tensors[key])
+        return file_reads.named(file, key, reader.fault_in, tensor, file, at) if at is not None else None
 
     def where(item: tuple[Path, str, torch.Tensor]) -> str:
         file, key, tensor = item
         return f"{file} at byte {tensor.storage_offset() * tensor.element_size()} (tensor {key!r})"
 
-    reads = _FileReads(source)
+    reads = file_reads.FileReads(source)
 
     def copies() -> Iterator[reader.StagedCopy]:  # straight from the files into device tensors
         for file, file_keys in plan:
@@ -248,7 +189,8 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
                 yield reader.StagedCopy(dst, info.dtype, reads.fill(key), (file, key, dst), reads.where(key))
 
     handed = (staging.copy(copies(), threads=threads) if staged else
-              (item for item, _ in reader.read_ahead(items, read, threads=threads if parallel else 1,
+              (item if instead is None else (*item[:2], instead)
+               for item, instead in reader.read_ahead(items, read, threads=threads if mapped else 1,
                                                       nbytes=lambda item: item[2].nbytes, where=where)))
     try:
         for file, key, tensor in handed:
@@ -470,12 +412,12 @@ def _copy_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], assign:
 def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], staging: DeviceStaging, threads: int,
                source: ComponentSource) -> set[str]:
     """``_copy_all`` through ``staging``: targets on its device (contiguous) are filled by its ring straight from the
-    files (``_FileReads``), any other target is copied at once."""
+    files (``file_reads.FileReads``), any other target is copied at once."""
     from vllm_diffusion_plugin.engine.reader import StagedCopy
 
     loaded: set[str] = set()
 
-    def copies(reads: _FileReads) -> Iterator[StagedCopy]:
+    def copies(reads: file_reads.FileReads) -> Iterator[StagedCopy]:
         for name, target, tensor in checked:  # tensor: a mapped view, for the checks; its bytes are pread
             if target.device.type == staging.device.type and target.is_contiguous():
                 yield StagedCopy(target.data, tensor.dtype, reads.fill(name), name, reads.where(name))
@@ -483,6 +425,6 @@ def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], stagin
                 target.data.copy_(tensor)
                 loaded.add(name)
 
-    with torch.no_grad(), _FileReads(source) as reads:
+    with torch.no_grad(), file_reads.FileReads(source) as reads:
         loaded.update(staging.copy(copies(reads), threads=threads))
     return loaded

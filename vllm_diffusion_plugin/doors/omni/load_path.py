@@ -24,6 +24,7 @@ with no scale (``params.add_``), which torch refuses for FP8.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -176,6 +177,9 @@ class DitSource:
     """Page-locked bytes its reads onto an accelerator stage through (``pinned_staging_mb``; 0: pageable copies)."""
     adapter: Any = None
     """vllm-omni's ``ModelOptFp8CheckpointAdapter`` for a pre-quantized ModelOpt FP8 source (its names), or None."""
+    stamps: dict = field(default_factory=dict)
+    """Its files' identities right after their headers were read (``engine.integrity.stamp``): a shard truncated
+    or replaced since is named (:func:`unchanged`)."""
 
     def staging(self, device: torch.device | None):
         """``reader.DeviceStaging`` for reads landing on ``device``, or None (no accelerator, 0 bytes, no pinned
@@ -184,6 +188,18 @@ class DitSource:
 
         return None if device is None else DeviceStaging.open(device, max_bytes=self.staging_bytes,
                                                               threads=self.threads)
+
+
+@contextlib.contextmanager
+def unchanged(dits: Iterable[DitSource]) -> Iterator[None]:
+    """Around a read of ``dits``' bytes (and what consumes them): a file of one that changed since stamped is named
+    (``engine.integrity.unchanged``: ``CheckpointChangedError``), whether the read failed on it or read it silently."""
+    from vllm_diffusion_plugin.engine import integrity
+
+    with contextlib.ExitStack() as stack:
+        for dit in dits:
+            stack.enter_context(integrity.unchanged(dit.stamps, component=dit.component))
+        yield
 
 
 def component_name(omni_source: Any) -> str:
@@ -213,7 +229,9 @@ def stream(dits: Iterable[DitSource], device: torch.device | None = None) -> Ite
     """Every DiT's tensors, prefixed with vllm-omni's source prefix, LoRA fused, through vllm-omni's checkpoint
     adapter where it has one; counts bytes per component. ``device``: where the DiTs' parameters are (an
     accelerator): the tensors are handed out there, copied through pinned staging (``DitSource.staging``), so
-    vllm-omni's weight loaders copy device to device."""
+    vllm-omni's weight loaders copy device to device. A DiT's file that changed since stamped
+    (``DitSource.stamps``) is named once its tensors were read, or when a read failed; a failure in the consumer is
+    the caller's to check (:func:`unchanged`)."""
     for dit in dits:
         tensors = _stream_one(dit, device)
         yield from (dit.adapter.adapt(tensors) if dit.adapter is not None else tensors)
@@ -223,14 +241,16 @@ def _stream_one(dit: DitSource, device: torch.device | None) -> Iterator[tuple[s
     from vllm_diffusion_plugin.engine.weights import LoadStats, iterate_weights
 
     stats, start = LoadStats(), time.perf_counter()
-    if dit.fuser is not None and (keys := dit.fuser.fp8_scale_keys()):
-        dit.fuser.read_fp8_scales(iterate_weights(dit.source, stats=stats, keys=keys))
-    for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads, staging=dit.staging(device)):
-        if dit.fuser is None:
-            yield dit.prefix + name, tensor
-            continue
-        for fused_name, fused in dit.fuser.items(name, tensor):
-            yield dit.prefix + fused_name, fused
+    with unchanged([dit]):
+        if dit.fuser is not None and (keys := dit.fuser.fp8_scale_keys()):
+            dit.fuser.read_fp8_scales(iterate_weights(dit.source, stats=stats, keys=keys))
+        for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads,
+                                            staging=dit.staging(device)):
+            if dit.fuser is None:
+                yield dit.prefix + name, tensor
+                continue
+            for fused_name, fused in dit.fuser.items(name, tensor):
+                yield dit.prefix + fused_name, fused
     dit.report.bytes_read, dit.report.tensors = stats.total_bytes, stats.tensors
     if dit.fuser is not None:
         dit.fuser.check_consumed(dit.component)

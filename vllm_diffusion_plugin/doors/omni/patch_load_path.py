@@ -220,6 +220,7 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
     """``model``'s DiT sources resolved by us (strict manifests), their LoRA files validated against each DiT's
     diffusers skeleton, one report each: ``load_path.DitSource`` per source. Nothing is read."""
     from vllm_diffusion_plugin.doors.omni import load_path
+    from vllm_diffusion_plugin.engine import integrity
     from vllm_diffusion_plugin.engine.report import ComponentReport
 
     state = getattr(loader, STATE_ATTR, None) or _prepare(loader, "default")
@@ -234,10 +235,11 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
             raise ValueError(f"{type(model).__name__}.{load_path.component_name(s)} needs vllm-omni's checkpoint "
                              f"adapter {type(adapter).__name__}, which --load-format diffusion-hsdp does not carry")
     resolved = load_path.resolve_sources(omni_sources, allow_pickle=options.allow_pickle)
+    stamps = [integrity.stamp(source.files) for source in resolved]  # right after their headers were read
     names = [load_path.component_name(s) for s in omni_sources]
     loras = _assign_loras(loader, options, names)
     dits = []
-    for s, source, name, adapter in zip(omni_sources, resolved, names, adapters):
+    for s, source, name, adapter, stamped in zip(omni_sources, resolved, names, adapters, stamps):
         files = [(str(spec.path), spec.scale) for spec in loras.get(name, [])]
         report = ComponentReport(name=name, class_name=str(source.config.get("_class_name", "?")),
                                  files=len(source.files), lora_files=len(files))
@@ -246,7 +248,8 @@ def prepare_dits(loader: Any, model: Any, sources=None) -> list[Any]:
                                      check_finite=options.lora_check_finite,
                                      host_weights=options.lora_host_weights)
         dits.append(load_path.DitSource(name, s.prefix, source, fuser, report, threads=options.threads,
-                                        staging_bytes=options.pinned_staging_mb << 20, adapter=adapter))
+                                        staging_bytes=options.pinned_staging_mb << 20, adapter=adapter,
+                                        stamps=stamped))
         state["report"].components.append(report)
     return dits
 
@@ -263,7 +266,8 @@ def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_c
     weights = load_path.stream(dits, device)
     if stream_online_quant_to_cpu:
         weights = loader._stream_online_quant_weights_to_cpu(model, weights)
-    loaded = model.load_weights(weights)
+    with load_path.unchanged(dits):  # a shard truncated or replaced since its header was read: named
+        loaded = model.load_weights(weights)
     load_path.check_loaded(model, expected, None if loaded is None else set(loaded),
                            quantized=loader.quant_config is not None, exempt_suffixes=QUANT_SCALE_SUFFIXES)
     if any(dit.adapter is not None for dit in dits):

@@ -296,7 +296,8 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     bindings, loaded = trace_bindings(model, dits)
     _memory("bindings traced")
     if whole:  # e.g. FLUX.1's T5 encoder: not sharded by vllm-omni, so every rank reads all of it
-        whole_loaded = model.load_weights(load_path.stream(whole))
+        with load_path.unchanged(whole):
+            whole_loaded = model.load_weights(load_path.stream(whole))
         loaded = None if loaded is None or whole_loaded is None else loaded | set(whole_loaded)
     load_path.check_loaded(model, loader._get_expected_parameter_names(model), loaded, quantized=False,
                            exempt_suffixes=())
@@ -316,15 +317,17 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
         layers, deltas = quantized[dit.component], dit.fuser.deltas if dit.fuser is not None else []
         into = {layer.weight for layer in layers}
         plain = [b for b in bindings[dit.component] if b.target not in into]
-        keys, stats = read_bound_rows(dit.source, plain, targets, threads=dit.threads, staging=dit.staging(device))
-        bytes_read, lora = stats.total_bytes, None
-        if layers:
-            deltas, _ = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules, into) \
-                if dit.fuser is not None else ([], [])
-            more, nbytes, lora, _ = rank_local_quant.quantize_dit(dit, modules[dit.component], layers,
-                                                                  bindings[dit.component], targets,
-                                                                  dit.fuser.deltas if dit.fuser else [], device)
-            keys, bytes_read = keys | more, bytes_read + nbytes
+        with load_path.unchanged([dit]):  # a shard truncated or replaced since its header was read: named
+            keys, stats = read_bound_rows(dit.source, plain, targets, threads=dit.threads,
+                                          staging=dit.staging(device))
+            bytes_read, lora = stats.total_bytes, None
+            if layers:
+                deltas, _ = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules,
+                                                          into) if dit.fuser is not None else ([], [])
+                more, nbytes, lora, _ = rank_local_quant.quantize_dit(dit, modules[dit.component], layers,
+                                                                      bindings[dit.component], targets,
+                                                                      dit.fuser.deltas if dit.fuser else [], device)
+                keys, bytes_read = keys | more, bytes_read + nbytes
         dit.report.bytes_read, dit.report.tensors = bytes_read, len(keys)
         dit.report.read_s = time.perf_counter() - start
         unbound = sorted(set(dit.source.tensors) - keys)

@@ -1,0 +1,95 @@
+"""Faults during a load (issue 36, part 2), the CLI door at 2 ranks in a real gloo group: a rank SIGKILLed while it
+or its peer waits in a collective after the reads, and a peer that stalls (alive) while the other waits in one.
+
+The phases are reached by markers, not by time (``fault_hooks.py``): rank 1 is held in ``rank_local``'s read of its
+own rows, alive and answering no one (``FAULT_HOLD``), so rank 0 -- which reads its rows and every other component
+-- reaches its first collective and waits there (``FAULT_MARK_COLLECTIVES`` writes a marker as it enters): the
+all-gather of the FSDP-sharded DiT's parameters (``--save-fused``; the CLI runs no forward, so this is FSDP's first
+all-gather there) or, without ``--save-fused``, the report's ``gather_object``. ``rank_local`` itself exchanges
+nothing while it reads (no online quantization in the CLI): its ranks meet in these collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from fault_cli import errors, finish, gone_within, left_behind, start
+from fuse_store import wait_for
+from proc_utils import children, is_rank
+
+pytestmark = [pytest.mark.multiproc,
+              pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
+HOOKS = Path(__file__).resolve().parent / "fault_hooks.py"
+GONE_S = 60  # the issue's bound for every rank gone (generous: seconds are measured and printed)
+
+
+def _held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = True):
+    """The CLI on 2 ranks, ``rank_local``, rank 1 held in its read; returns once rank 0 waits in its first
+    collective: (process, tmp, out, ranks by number, rank 0's collective marker)."""
+    env = {"FAULT_DIR": str(tmp_path), "FAULT_HOLD": "1", "FAULT_MARK_COLLECTIVES": "1"}
+    proc, tmp, out = start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "rank_local", "--verbose",
+                           *args, script=HOOKS, env=env, save_fused=save_fused)
+    try:
+        held = wait_for(tmp_path / "held-rank1.json")
+        waiting = wait_for(tmp_path / "collective-rank0.json")
+    except BaseException:
+        proc.kill()
+        raise
+    ranks = [p for p in children(proc.pid) if is_rank(p)]
+    assert sorted(ranks) == sorted([held["pid"], waiting["pid"]]), (ranks, held, waiting)
+    return proc, tmp, out, {0: waiting["pid"], 1: held["pid"]}, waiting
+
+
+@pytest.mark.parametrize(("victim", "collective"), [(0, "all-gather"), (1, "all-gather"), (1, "gather_object")])
+def test_a_rank_sigkilled_in_or_before_a_collective_after_the_reads_is_named(tiny_wan_dir, tmp_path, victim,
+                                                                             collective):
+    """Rank 0 waits in its first collective after the reads while rank 1 is held in its read; the test SIGKILLs
+    rank 0 (killed mid-collective: its peer never comes) or rank 1 (killed while its peer waits in the collective).
+    Every rank gone well within the bound, the launcher's line names the dead rank and SIGKILL first, nothing left
+    (no process, no /dev/shm segment, no work folder, no output)."""
+    proc, tmp, out, ranks, waiting = _held_load(tiny_wan_dir, tmp_path, save_fused=collective == "all-gather")
+    assert ("all-gather" in waiting["what"]) == (collective == "all-gather"), waiting
+    killed = time.monotonic()
+    try:
+        os.kill(ranks[victim], signal.SIGKILL)
+        err = finish(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone = time.monotonic() - killed + gone_within(list(ranks.values()), GONE_S)
+    print(f"\n[all gone] victim rank {victim} in {collective}: {gone:.1f} s after its SIGKILL", flush=True)
+    lines = errors(err)
+    print(lines, flush=True)
+    assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
+    assert lines[0].startswith(f"vllm-diffusion: error: rank {victim} died of SIGKILL (out of memory or killed "
+                               f"from outside)"), lines[0]
+    assert gone < GONE_S, gone
+    assert left_behind(list(ranks.values()), tmp, out) == []
+
+
+def test_a_stalled_peer_ends_the_load_after_the_collective_timeout_naming_it(tiny_wan_dir, tmp_path):
+    """Rank 1 held in its read and then SIGSTOPped (alive, answering nothing, not even SIGTERM) while rank 0 waits
+    in the all-gather of the sharded DiT: with ``--collective-timeout 5`` rank 0's collective fails after 5 s, its
+    line names the collective timeout, and the launcher stops rank 1 (SIGTERM stays pending on a stopped process:
+    SIGKILL after the grace period). All gone within the bound, nothing left."""
+    proc, tmp, out, ranks, _ = _held_load(tiny_wan_dir, tmp_path, "--collective-timeout", "5")
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        err = finish(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone = time.monotonic() - stopped + gone_within(list(ranks.values()), GONE_S)
+    print(f"\n[all gone] stalled rank 1, collective timeout 5 s: {gone:.1f} s after its SIGSTOP", flush=True)
+    lines = errors(err)
+    print(lines, flush=True)
+    assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
+    assert "on rank 0 of 2" in lines[0], lines[0]
+    assert "collective timeout 5 s" in lines[0] and "--collective-timeout" in lines[0], lines[0]
+    assert gone < GONE_S, gone
+    assert left_behind(list(ranks.values()), tmp, out) == []
