@@ -202,6 +202,16 @@ def launch(spec: ServerSpec, logdir: Path, *, cpu: bool) -> tuple[subprocess.Pop
     return proc, run, port
 
 
+PORT_TAKEN = "Address already in use"
+
+
+def port_taken(proc: subprocess.Popen, run: ServerRun) -> bool:
+    """The server exited because another process took its port: :func:`free_port` closes the port before the server
+    binds it, and another process (a test's rendezvous, another server) can take it in between -- seen with two
+    test stages on one host. Such a server is started again on another port (:func:`serve`)."""
+    return proc.poll() is not None and PORT_TAKEN in run.log.read_text(errors="replace")
+
+
 def wait_healthy(proc: subprocess.Popen, run: ServerRun, port: int, *, timeout_s: float) -> float:
     """Seconds until ``/health`` answers; raises when the server exits first or ``timeout_s`` passes."""
     t0 = time.monotonic()
@@ -228,32 +238,38 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
     end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``progress``: called with a line
     when ready and when each request is answered."""
     request = request or request_video
-    proc, run, port = launch(spec, logdir, cpu=cpu)
-    t0 = time.monotonic()
-    sampler = GroupSampler(proc.pid, interval_s=sample_s, log=run.log, marks=dict(marks)) if sample_s else None
-    if sampler:
-        sampler.start()
-    try:
-        wait_healthy(proc, run, port, timeout_s=ready_timeout_s)
-        run.ready_s = time.monotonic() - t0
-        if progress:
-            progress(f"[{spec.name}] ready after {run.ready_s:.1f} s")
-        for i in range(requests):
-            t1 = time.monotonic()
-            run.answers.append(request(port, request_timeout_s, run.log))
-            run.request_s.append(time.monotonic() - t1)
+    for attempt in range(1, 4):
+        proc, run, port = launch(spec, logdir, cpu=cpu)
+        t0 = time.monotonic()
+        sampler = GroupSampler(proc.pid, interval_s=sample_s, log=run.log, marks=dict(marks)) if sample_s else None
+        if sampler:
+            sampler.start()
+        try:
+            wait_healthy(proc, run, port, timeout_s=ready_timeout_s)
+            run.ready_s = time.monotonic() - t0
             if progress:
-                progress(f"[{spec.name}] request {i + 1} answered after {run.request_s[-1]:.1f} s "
-                         f"({time.monotonic() - t0:.1f} s after launch)")
-        return run
-    except ServerError as exc:
-        exc.run = run  # what was measured before the failure (log, sampled processes)
-        raise
-    finally:
-        with signals_held():
-            if sampler:
-                run.processes = sampler.finish()  # while the processes are still alive: their last figures
-            stop(proc)
+                progress(f"[{spec.name}] ready after {run.ready_s:.1f} s")
+            for i in range(requests):
+                t1 = time.monotonic()
+                run.answers.append(request(port, request_timeout_s, run.log))
+                run.request_s.append(time.monotonic() - t1)
+                if progress:
+                    progress(f"[{spec.name}] request {i + 1} answered after {run.request_s[-1]:.1f} s "
+                             f"({time.monotonic() - t0:.1f} s after launch)")
+            return run
+        except ServerError as exc:
+            if attempt < 3 and port_taken(proc, run):
+                continue  # its log is kept beside the next one's (renamed in finally)
+            exc.run = run  # what was measured before the failure (log, sampled processes)
+            raise
+        finally:
+            with signals_held():
+                if sampler:
+                    run.processes = sampler.finish()  # while the processes are still alive: their last figures
+                stop(proc)
+            if attempt < 3 and port_taken(proc, run):
+                run.log.rename(run.log.with_suffix(f".port-taken-{attempt}.log"))
+    raise AssertionError("unreachable")
 
 
 def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s: float = 300.0) -> tuple[int, str, float]:
