@@ -44,7 +44,8 @@ class StreamFuser:
     """Fuses LoRA deltas (keyed by checkpoint module names) into checkpoint tensors as they stream past.
 
     ``deltas`` holds one mapping per LoRA file, applied in order (several files for one DiT stack, as in
-    ``lora.fuse_lora_files``). A targeted tensor is copied before it is changed (never the reader's buffer)."""
+    ``lora.fuse_lora_files``). A targeted tensor is copied before it is changed (never the reader's buffer). An FP8
+    weight of a pre-quantized checkpoint (``fp8_layers``) is fused exactly and hands on its new scale (:meth:`items`)."""
 
     deltas: list[dict[str, Any]]
     modules: frozenset[str]
@@ -96,19 +97,14 @@ class StreamFuser:
     def _fuse_fp8(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every file's delta of FP8 weight ``name`` summed in fp32 (into zeros, by our fusion and device rule),
         added to the dequantized weight, requantized once."""
-        from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
         from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows
 
         start = time.perf_counter()
-        hits = self._by_tensor.pop(name)
-        holder = nn.Module()
-        holder.weight = nn.Parameter(torch.zeros(q.shape, dtype=torch.float32, device=q.device), requires_grad=False)
-        for delta, _ in hits:
-            stats = fuse_lora(holder, {"": dataclasses.replace(delta, bias_delta=None)}, chunk_mb=self.chunk_mb,
-                              check_finite=self.check_finite, log=False, host_weights=self.host_weights)
-            self.stats = stats if self.stats is None else self.stats + stats
+        delta = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for lora, _ in self._by_tensor.pop(name):
+            delta = self._add(delta, lora)
         per_tensor, scale = scale.dim() == 0, scale.to(q.device)
-        new_q, new_scale = fuse_fp8_rows(q, scale if per_tensor else scale.reshape(-1, 1), holder.weight.data,
+        new_q, new_scale = fuse_fp8_rows(q, scale if per_tensor else scale.reshape(-1, 1), delta,
                                          per_tensor=per_tensor)
         self.seconds += time.perf_counter() - start
         return new_q, new_scale.reshape(scale.shape)
@@ -117,8 +113,6 @@ class StreamFuser:
         hits = self._by_tensor.pop(name, None)
         if hits is None:
             return tensor
-        from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
-
         start = time.perf_counter()
         # the model's precision when floating (as a fusion into the module would), and always a private copy
         tensor = tensor.to(self.dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
@@ -127,14 +121,21 @@ class StreamFuser:
                 with torch.no_grad():
                     tensor.add_(delta.bias_delta.to(tensor.dtype))
                 continue
-            holder = nn.Module()
-            holder.weight = nn.Parameter(tensor, requires_grad=False)
-            stats = fuse_lora(holder, {"": dataclasses.replace(delta, bias_delta=None)}, chunk_mb=self.chunk_mb,
-                              check_finite=self.check_finite, log=False, host_weights=self.host_weights)
-            self.stats = stats if self.stats is None else self.stats + stats
-            tensor = holder.weight.data
+            tensor = self._add(tensor, delta)
         self.seconds += time.perf_counter() - start
         return tensor
+
+    def _add(self, tensor: torch.Tensor, delta: Any) -> torch.Tensor:
+        """``tensor`` (a weight, owned here) with ``delta``'s weight part added in place by our fusion and device
+        rule; counts its ``FuseStats``."""
+        from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
+
+        holder = nn.Module()
+        holder.weight = nn.Parameter(tensor, requires_grad=False)
+        stats = fuse_lora(holder, {"": dataclasses.replace(delta, bias_delta=None)}, chunk_mb=self.chunk_mb,
+                          check_finite=self.check_finite, log=False, host_weights=self.host_weights)
+        self.stats = stats if self.stats is None else self.stats + stats
+        return holder.weight.data
 
     def check_consumed(self, component: str) -> None:
         if self._scales:
