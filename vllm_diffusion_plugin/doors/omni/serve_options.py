@@ -175,7 +175,7 @@ def check_supported(options: Any, od_config: Any) -> None:
 
 
 CARRIED_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
-"""ModelOpt ``quant_algo`` values of the pre-quantized checkpoints this door reads (``load_path.Fp8StreamFuser``)."""
+"""ModelOpt ``quant_algo`` values of the pre-quantized checkpoints this door reads (``load_path.StreamFuser``)."""
 
 
 def carried_fp8_checkpoint(quant_config: Any) -> bool:
