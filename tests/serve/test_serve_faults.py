@@ -211,7 +211,9 @@ def _cause_line(text: str) -> str:
     return last[-1] if last else (text.splitlines() or [""])[-1]
 
 
-@pytest.mark.parametrize("strategy", ["full", "rank_local", "broadcast"])
+# broadcast's rank 0 reads as full does (mapped files) and its peer's fate is the kill test's: measured once (exit 24.2 s
+# after the fault, the group gone after 25.6 s), left out of the stage for its time
+@pytest.mark.parametrize("strategy", ["full", "rank_local"])
 def test_an_io_error_in_a_server_load_ends_it_naming_the_file_and_offset(pipeline, tmp_path, strategy):
     """The store fails reads of ``transformer``'s third shard from its last page on with EIO: the server exits
     non-zero within 90 s, its error line names the shard on the mount and the byte the read failed at, and nothing
