@@ -44,7 +44,9 @@ def _held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = 
     return proc, tmp, out, {0: waiting["pid"], 1: held["pid"]}, waiting
 
 
-@pytest.mark.parametrize(("victim", "collective"), [(0, "all-gather"), (1, "all-gather"), (1, "gather_object")])
+# (1, "gather_object") -- rank 1 killed while rank 0 waits in the report gather -- passed too (gone in 1.6-4.3 s);
+# left out of the main stage for its time: the launcher's handling does not depend on the collective
+@pytest.mark.parametrize(("victim", "collective"), [(0, "all-gather"), (1, "all-gather")])
 def test_a_rank_sigkilled_in_or_before_a_collective_after_the_reads_is_named(tiny_wan_dir, tmp_path, victim,
                                                                              collective):
     """Rank 0 waits in its first collective after the reads while rank 1 is held in its read; the test SIGKILLs
