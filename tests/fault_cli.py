@@ -86,3 +86,17 @@ def left_behind(pids: list[int], tmp: Path, out: Path, *, temp_files: bool = Tru
     return ([f"process {p}" for p in pids if alive(p)] + [f"/dev/shm/{p.name}" for p in (tmp.parent / "shm").iterdir()]
             + [str(p) for p in tmp.glob("vllm-diffusion-*")] + [str(p) for p in out.parent.iterdir()]
             + ([str(p) for p in tmp.glob("tmp*")] if temp_files else []))
+
+
+def break_file(shard: Path, mode: str) -> None:
+    """``truncate``: its last 100 bytes gone; ``replace``: another file of the same size (the same header, zeros
+    after it) renamed over it."""
+    if mode == "truncate":
+        os.truncate(shard, shard.stat().st_size - 100)
+        return
+    data = bytearray(shard.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:] = bytes(len(data) - start)
+    tmp = shard.with_name(shard.name + f".new{os.getpid()}")
+    tmp.write_bytes(bytes(data))
+    tmp.rename(shard)

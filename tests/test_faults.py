@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = '''
 import os, sys
+from fault_cli import break_file
 from vllm_diffusion_plugin.engine import weights
 
 MODE = os.environ["FAULT_MODE"]
@@ -26,16 +27,7 @@ def break_then_read(module, *args, source, **kwargs):
     """The first read of this rank: break the component's first shard, then read it."""
     if source.files and not getattr(break_then_read, "done", False):
         break_then_read.done = True
-        shard = sorted(source.files)[0]
-        if MODE == "truncate":
-            os.truncate(shard, shard.stat().st_size - 100)
-        else:  # another file of the same size renamed over it: the old header, other bytes
-            data = bytearray(shard.read_bytes())
-            start = 8 + int.from_bytes(data[:8], "little")
-            data[start:] = bytes(len(data) - start)
-            tmp = shard.with_name(shard.name + f".new{os.getpid()}")
-            tmp.write_bytes(bytes(data))
-            tmp.rename(shard)
+        break_file(sorted(source.files)[0], MODE)
     return original(module, *args, source=source, **kwargs)
 
 
@@ -59,7 +51,8 @@ def test_a_shard_changed_between_its_header_and_its_bytes_is_named_and_nothing_i
     (tmp_path / "hook.py").write_text(HOOK)
     out = tmp_path / "fused"
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DIFFUSION")}
-    env.update(FAULT_MODE=mode, PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(FAULT_MODE=mode,
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(tmp_path / "hook.py"), "load", str(checkpoint), "--device", "cpu",
                            "--dtype", "float32", "--nproc", str(nproc), "--save-fused", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)

@@ -11,7 +11,6 @@ gloo ranks (vllm-omni loads ``rank_local`` at 1 rank as ``full``), each rank bre
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,22 +21,9 @@ from omni_support import import_omni, load_pipeline
 import_omni()  # skips this module where vllm-omni is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dist_utils import run_distributed  # noqa: E402
+from fault_cli import break_file  # noqa: E402
 
 MODES = ("truncate", "replace")
-
-
-def break_file(shard: Path, mode: str) -> None:
-    """``truncate``: its last 100 bytes gone; ``replace``: another file of the same size (the same header, zeros
-    after it) renamed over it."""
-    if mode == "truncate":
-        os.truncate(shard, shard.stat().st_size - 100)
-        return
-    data = bytearray(shard.read_bytes())
-    start = 8 + int.from_bytes(data[:8], "little")
-    data[start:] = bytes(len(data) - start)
-    tmp = shard.with_name(shard.name + f".new{os.getpid()}")
-    tmp.write_bytes(bytes(data))
-    tmp.rename(shard)
 
 
 def breaking(original, mode: str, broken: list):
