@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_prequant_fp8 import FP8, _bits, _file_tensors, fp8_linears, write_fp8_pipeline
+from test_prequant_fp8 import FP8, _bits, _file_tensors, fp8_linears, local_params, write_fp8_pipeline
 
 LORAS = (  # (seed, rank, alpha, spec scale, targets)
     (4, 4, 8.0, 0.7, ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj")),
@@ -45,7 +45,6 @@ def two_lora_worker(rank: int, world_size: int, root: str, files: list[tuple[str
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
     from vllm_diffusion_plugin.engine.strategies import broadcast
-    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
 
     broadcast.open_channel = lambda options, device: broadcast.BroadcastChannel(  # many small buckets
         timeout_s=options.hsdp_broadcast_timeout_s, bucket_bytes=2048, device=device)
@@ -54,14 +53,7 @@ def two_lora_worker(rank: int, world_size: int, root: str, files: list[tuple[str
     for strategy in ("full", "broadcast", "rank_local"):
         got = load_components(root, options=LoadOptions(hsdp_weight_load=strategy), device=torch.device("cpu"),
                               dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=specs)
-        params = {}
-        for name, module in got.modules.items():
-            for pname, param in module.named_parameters():
-                local, start, stop = local_rows(pname, param)
-                local = local.detach().contiguous()  # FP8 travels as bytes (torch cannot unpickle it)
-                params[f"{name}.{pname}"] = (local.view(torch.uint8) if local.dtype == FP8 else local.clone(),
-                                             local.dtype == FP8, start, stop)
-        out[strategy] = {"params": params, "fused": got.report.to_dict()["lora_keys_fused"]}
+        out[strategy] = {"params": local_params(got.modules), "fused": got.report.to_dict()["lora_keys_fused"]}
     return out
 
 

@@ -239,13 +239,27 @@ def test_what_stays_refused_is_refused_by_name_before_any_read(tmp_path, monkeyp
 
 
 # ---- 2 gloo ranks: full, broadcast and rank_local with a LoRA --------------------------------------------------
+def local_params(modules) -> dict[str, tuple]:
+    """Every parameter's local rows of ``modules`` (a rank's): ``name -> (rows, is FP8, start, stop)``, FP8 rows as
+    bytes (torch cannot unpickle FP8 across the ranks' pipe)."""
+    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
+
+    params = {}
+    for name, module in modules.items():
+        for pname, param in module.named_parameters():
+            local, start, stop = local_rows(pname, param)
+            local = local.detach().contiguous()
+            params[f"{name}.{pname}"] = (local.view(torch.uint8) if local.dtype == FP8 else local.clone(),
+                                         local.dtype == FP8, start, stop)
+    return params
+
+
 def strategies_worker(rank: int, world_size: int, root: str, lora: str, replicate: int = 1) -> dict:
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
     from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
     from vllm_diffusion_plugin.engine.strategies import broadcast
-    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
 
     # buckets of 2 KiB: a tiny DiT's tensors go out in many, as a real one's do
     broadcast.open_channel = lambda options, device: broadcast.BroadcastChannel(
@@ -266,15 +280,8 @@ def strategies_worker(rank: int, world_size: int, root: str, lora: str, replicat
                 for name, module in got.modules.items():
                     out["forward_diff"][(strategy, name)] = (module(**inputs)[0].float() -
                                                              whole[name](**inputs)[0].float()).abs().max().item()
-        params = {}
-        for name, module in got.modules.items():
-            for pname, param in module.named_parameters():
-                local, start, stop = local_rows(pname, param)
-                local = local.detach().contiguous()  # FP8 travels as bytes (torch cannot unpickle it)
-                params[f"{name}.{pname}"] = (local.view(torch.uint8) if local.dtype == FP8 else local.clone(),
-                                             local.dtype == FP8, start, stop)
         report = got.report.to_dict()
-        out[strategy] = {"params": params, "fused": report["lora_keys_fused"],
+        out[strategy] = {"params": local_params(got.modules), "fused": report["lora_keys_fused"],
                          "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
                          "held": {c["name"]: c["param_bytes_local"] for c in report["components"]},
                          "total": {n: s.total_bytes for n, s in got.sources.items()}}
