@@ -95,19 +95,21 @@ class StreamFuser:
         self._replaced = frozenset(self._scales)
 
     def _fuse_fp8(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every file's delta of FP8 weight ``name`` summed in fp32 (into zeros, by our fusion and device rule),
-        added to the dequantized weight, requantized once."""
-        from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows
+        """Every file's delta of FP8 weight ``name`` fused into private copies of it and its scale by the engine's
+        exact FP8 fusion (``prequant.fuse_fp8_layers``: summed in fp32, added once, requantized once)."""
+        from vllm_diffusion_plugin.engine.prequant import fuse_fp8_layers
 
         start = time.perf_counter()
-        delta = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        for lora, _ in self._by_tensor.pop(name):
-            delta = self._add(delta, lora)
-        per_tensor, scale = scale.dim() == 0, scale.to(q.device)
-        new_q, new_scale = fuse_fp8_rows(q, scale if per_tensor else scale.reshape(-1, 1), delta,
-                                         per_tensor=per_tensor)
+        module = name.removesuffix(".weight")
+        scale_key = f"{module}.weight_scale"
+        targets = {name: q.clone(), scale_key: scale.to(q.device, copy=True)}
+        files = [{module: dataclasses.replace(delta, bias_delta=None)} for delta, _ in self._by_tensor.pop(name)]
+        stats = fuse_fp8_layers(targets, files, modules=self.modules, chunk_mb=self.chunk_mb,
+                                check_finite=self.check_finite, host_weights=self.host_weights)
+        if stats is not None:
+            self.stats = stats if self.stats is None else self.stats + stats
         self.seconds += time.perf_counter() - start
-        return new_q, new_scale.reshape(scale.shape)
+        return targets[name], targets[scale_key]
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         hits = self._by_tensor.pop(name, None)
