@@ -44,6 +44,22 @@ def _held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = 
     return proc, tmp, out, {0: waiting["pid"], 1: held["pid"]}, waiting
 
 
+def _signal(proc, tmp_path, ranks: dict[int, int], rank: int, sig: int) -> tuple[str, list[str], float]:
+    """Send ``sig`` to ``rank``, wait for the CLI (killed if it outlives ``finish``'s bound): its stderr, its error
+    lines, and the seconds from the signal until every rank is gone."""
+    sent = time.monotonic()
+    try:
+        os.kill(ranks[rank], sig)
+        err = finish(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone = time.monotonic() - sent + gone_within(list(ranks.values()), GONE_S)
+    lines = errors(err)
+    print(lines, flush=True)
+    return err, lines, gone
+
+
 # (1, "gather_object") -- rank 1 killed while rank 0 waits in the report gather -- passed too (gone in 1.6-4.3 s);
 # left out of the main stage for its time: the launcher's handling does not depend on the collective
 @pytest.mark.parametrize(("victim", "collective"), [(0, "all-gather"), (1, "all-gather")])
@@ -55,17 +71,8 @@ def test_a_rank_sigkilled_in_or_before_a_collective_after_the_reads_is_named(tin
     (no process, no /dev/shm segment, no work folder, no output)."""
     proc, tmp, out, ranks, waiting = _held_load(tiny_wan_dir, tmp_path, save_fused=collective == "all-gather")
     assert ("all-gather" in waiting["what"]) == (collective == "all-gather"), waiting
-    killed = time.monotonic()
-    try:
-        os.kill(ranks[victim], signal.SIGKILL)
-        err = finish(proc, tmp_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    gone = time.monotonic() - killed + gone_within(list(ranks.values()), GONE_S)
+    err, lines, gone = _signal(proc, tmp_path, ranks, victim, signal.SIGKILL)
     print(f"\n[all gone] victim rank {victim} in {collective}: {gone:.1f} s after its SIGKILL", flush=True)
-    lines = errors(err)
-    print(lines, flush=True)
     assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
     assert lines[0].startswith(f"vllm-diffusion: error: rank {victim} died of SIGKILL (out of memory or killed "
                                f"from outside)"), lines[0]
@@ -79,17 +86,8 @@ def test_a_stalled_peer_ends_the_load_after_the_collective_timeout_naming_it(tin
     line names the collective timeout, and the launcher stops rank 1 (SIGTERM stays pending on a stopped process:
     SIGKILL after the grace period). All gone within the bound, nothing left."""
     proc, tmp, out, ranks, _ = _held_load(tiny_wan_dir, tmp_path, "--collective-timeout", "5")
-    os.kill(ranks[1], signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        err = finish(proc, tmp_path)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    gone = time.monotonic() - stopped + gone_within(list(ranks.values()), GONE_S)
+    err, lines, gone = _signal(proc, tmp_path, ranks, 1, signal.SIGSTOP)
     print(f"\n[all gone] stalled rank 1, collective timeout 5 s: {gone:.1f} s after its SIGSTOP", flush=True)
-    lines = errors(err)
-    print(lines, flush=True)
     assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
     assert "on rank 0 of 2" in lines[0], lines[0]
     assert "collective timeout 5 s" in lines[0] and "--collective-timeout" in lines[0], lines[0]

@@ -180,7 +180,8 @@ def _store_fault_server(pipeline: Path, tmp_path: Path, mode: str, strategy: str
         try:
             deadline = time.monotonic() + sp.READY_TIMEOUT_S
             while not fault.marker.exists():
-                assert proc.poll() is None, f"the server exited ({proc.returncode}) before a read met the fault; {run.log}"
+                assert proc.poll() is None, (f"the server exited ({proc.returncode}) before a read met the fault; "
+                                             f"{run.log}")
                 assert time.monotonic() < deadline, f"no read met the fault in {sp.READY_TIMEOUT_S:.0f} s; {run.log}"
                 time.sleep(0.05)
             yield StoreFault(proc, run, port, mounted / "transformer" / shard.name, shard.stat().st_size,
@@ -211,8 +212,18 @@ def _cause_line(text: str) -> str:
     return last[-1] if last else (text.splitlines() or [""])[-1]
 
 
-# broadcast's rank 0 reads as full does (mapped files) and its peer's fate is the kill test's: measured once (exit 24.2 s
-# after the fault, the group gone after 25.6 s), left out of the stage for its time
+SHM_UNCHECKED = "(not checked: needs root and unshare)"
+
+
+def _aftermath(f) -> tuple[bool, list[str], str]:
+    """What a server that met a store fault left: whether its port is free, the entries of its private /dev/shm
+    (none when it had none: ``SHM_UNCHECKED``), and the cause line of its log."""
+    shm_left = sorted(p.name for p in f.shm.iterdir()) if f.shm is not None else []
+    return _port_free(f.port), shm_left, _cause_line(f.run.log_text())
+
+
+# broadcast's rank 0 reads as full does (mapped files) and its peer's fate is the kill test's: measured once
+# (exit 24.2 s after the fault, the group gone after 25.6 s), left out of the stage for its time
 @pytest.mark.parametrize("strategy", ["full", "rank_local"])
 def test_an_io_error_in_a_server_load_ends_it_naming_the_file_and_offset(pipeline, tmp_path, strategy):
     """The store fails reads of ``transformer``'s third shard from its last page on with EIO: the server exits
@@ -221,12 +232,10 @@ def test_an_io_error_in_a_server_load_ends_it_naming_the_file_and_offset(pipelin
     the group gone, the port free, /dev/shm clean -- the line without the file or the offset."""
     with _store_fault_server(pipeline, tmp_path, "eio", strategy) as f:
         exited_s, left, gone_s = _exits(f)
-    text, port_free = f.run.log_text(), _port_free(f.port)
-    shm_left = sorted(p.name for p in f.shm.iterdir()) if f.shm is not None else []
-    cause = _cause_line(text)
+    port_free, shm_left, cause = _aftermath(f)
     print(f"\n[fault] eio {strategy}: server exit {f.proc.returncode} {exited_s:.1f} s after the fault, its group "
           f"gone after {gone_s:.1f} s; left {left}; port {'free' if port_free else 'busy'}; /dev/shm left "
-          f"{shm_left if f.shm is not None else '(not checked: needs root and unshare)'}"
+          f"{shm_left if f.shm is not None else SHM_UNCHECKED}"
           f"\n[fault] its error: {cause}", flush=True)
     assert f.proc.returncode != 0, f.run.log
     offsets = [int(n) for n in re.findall(r" at byte (\d+)", cause)]
@@ -252,13 +261,11 @@ def test_a_stalled_read_in_a_server_load_ends_it_within_read_timeout(pipeline, t
     released = time.monotonic()  # the store unmounted and stopped: a read held in it fails now
     left = _group_left(f.proc.pid, within_s=30.0)
     gone_s = time.monotonic() - released
-    text, port_free = f.run.log_text(), _port_free(f.port)
-    shm_left = sorted(p.name for p in f.shm.iterdir()) if f.shm is not None else []
-    cause = _cause_line(text)
+    port_free, shm_left, cause = _aftermath(f)
     print(f"\n[fault] stall {strategy}: server exit {f.proc.returncode} {exited_s:.1f} s after the fault; held in the "
           f"store 10 s later: {held}; after the store went: group gone after {gone_s:.1f} s, left {left}; port "
           f"{'free' if port_free else 'busy'}; /dev/shm left "
-          f"{shm_left if f.shm is not None else '(not checked: needs root and unshare)'}"
+          f"{shm_left if f.shm is not None else SHM_UNCHECKED}"
           f"\n[fault] its error: {cause}", flush=True)
     assert f.proc.returncode != 0, f.run.log
     offsets = [int(n) for n in re.findall(r" at byte (\d+)", cause)]
