@@ -1,8 +1,11 @@
 """The serving proof's log parsing, without servers: it reads exactly the line our load path writes."""
 
-from vllm_diffusion_plugin.tools import servers as sp
+from pathlib import Path
+
+import pytest
 
 from vllm_diffusion_plugin.engine import report as engine_report
+from vllm_diffusion_plugin.tools import servers as sp
 
 
 def test_the_prefix_is_the_load_paths():
@@ -22,34 +25,54 @@ def test_load_reports_parse_our_load_paths_line_from_a_worker_log():
     assert sp.bytes_per_rank(reports) == {0: 200, 1: 400}
 
 
-def test_a_server_whose_port_was_taken_is_started_again_on_another(tmp_path, monkeypatch):
-    """``free_port`` closes the port before the server binds it; another process can take it in between (seen: a
-    gloo rendezvous of the main suite beside the serve stage). ``serve`` starts the server again on another port
-    instead of failing the test; the first log is kept. A real process and real sockets: the stand-in server exits
-    with vLLM's "Address already in use" when its port is taken, and answers ``/health`` otherwise."""
+STAND_IN = ("import http.server, sys\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+            "try:\n"
+            "    s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H)\n"
+            "except OSError as e:\n"
+            "    print('OSError: [Errno 98] Address already in use', flush=True); sys.exit(1)\n"
+            "if sys.argv[2] == 'refuse':\n"
+            "    print('refused: a bad option', flush=True); sys.exit(2)\n"
+            "s.serve_forever()\n")
+"""A stand-in server, a real process on real sockets: exits with vLLM's "Address already in use" when its port is
+taken; otherwise refuses (``refuse``) or answers ``/health``."""
+
+
+@pytest.fixture
+def port_taken_once(monkeypatch):
+    """``free_port`` hands out a port another process holds, then a free one; servers are the stand-in."""
     import socket
     import sys
-    from pathlib import Path
 
-    server = ("import http.server, sys\n"
-              "class H(http.server.BaseHTTPRequestHandler):\n"
-              "    def do_GET(self):\n"
-              "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
-              "try:\n"
-              "    s = http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H)\n"
-              "except OSError as e:\n"
-              "    print('OSError: [Errno 98] Address already in use', flush=True); sys.exit(1)\n"
-              "s.serve_forever()\n")
+    def command(behaviour):
+        monkeypatch.setattr(sp, "server_command", lambda spec, port: [sys.executable, "-c", STAND_IN, str(port),
+                                                                      behaviour])
+
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     ports = iter([taken.getsockname()[1], sp.free_port()])
     monkeypatch.setattr(sp, "free_port", lambda: next(ports))
-    monkeypatch.setattr(sp, "server_command", lambda spec, port: [sys.executable, "-c", server, str(port)])
-    try:
-        run = sp.serve(sp.ServerSpec("stand-in", Path("/unused"), plugin=False), tmp_path,
-                       request=lambda port, timeout_s, log: b"answered", ready_timeout_s=60)
-    finally:
-        taken.close()
+    yield command
+    taken.close()
+
+
+def test_a_server_whose_port_was_taken_is_started_again_on_another(tmp_path, port_taken_once):
+    """``free_port`` closes the port before the server binds it; another process can take it in between (seen: a
+    gloo rendezvous of the main suite beside the serve stage). ``serve`` starts the server again on another port
+    instead of failing the test; the first log is kept."""
+    port_taken_once("serve")
+    run = sp.serve(sp.ServerSpec("stand-in", Path("/unused"), plugin=False), tmp_path,
+                   request=lambda port, timeout_s, log: b"answered", ready_timeout_s=60)
     assert run.answers == [b"answered"]
+    assert "Address already in use" in (tmp_path / "stand-in.port-taken-1.log").read_text()
+
+
+def test_a_refused_start_is_not_mistaken_for_a_taken_port(tmp_path, port_taken_once):
+    """``refused_start`` waits for the refusal: a server that lost its port is started again, its refusal returned."""
+    port_taken_once("refuse")
+    status, log, _ = sp.refused_start(sp.ServerSpec("stand-in", Path("/unused"), plugin=False), tmp_path, timeout_s=60)
+    assert status == 2 and "refused: a bad option" in log, (status, log)
     assert "Address already in use" in (tmp_path / "stand-in.port-taken-1.log").read_text()

@@ -272,23 +272,29 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
     raise AssertionError("unreachable")
 
 
-def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True, timeout_s: float = 300.0) -> tuple[int, str, float]:
+def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True,
+                  timeout_s: float = 300.0) -> tuple[int, str, float]:
     """Start a server that must refuse to start: ``(exit status, log, seconds)``; raises if it became healthy
-    or was still running after ``timeout_s``."""
-    proc, run, port = launch(spec, logdir, cpu=cpu)
-    t0 = time.monotonic()
-    try:
-        while proc.poll() is None:
-            if healthy(port):
-                raise ServerError(f"[{spec.name}] became healthy; it should have refused to start. Log {run.log}")
-            if time.monotonic() - t0 > timeout_s:
-                raise ServerError(f"[{spec.name}] neither refused nor started within {timeout_s:.0f} s; "
-                                  f"log {run.log}:\n{log_tail(run.log)}")
-            time.sleep(1.0)
-        return proc.returncode, run.log_text(), time.monotonic() - t0
-    finally:
-        with signals_held():
-            stop(proc)
+    or was still running after ``timeout_s``. A server that lost its port (:func:`port_taken`) is started again."""
+    for attempt in range(1, 4):
+        proc, run, port = launch(spec, logdir, cpu=cpu)
+        t0 = time.monotonic()
+        try:
+            while proc.poll() is None:
+                if healthy(port):
+                    raise ServerError(f"[{spec.name}] became healthy; it should have refused to start. Log {run.log}")
+                if time.monotonic() - t0 > timeout_s:
+                    raise ServerError(f"[{spec.name}] neither refused nor started within {timeout_s:.0f} s; "
+                                      f"log {run.log}:\n{log_tail(run.log)}")
+                time.sleep(1.0)
+            if attempt < 3 and port_taken(proc, run):
+                run.log.rename(run.log.with_suffix(f".port-taken-{attempt}.log"))
+                continue
+            return proc.returncode, run.log_text(), time.monotonic() - t0
+        finally:
+            with signals_held():
+                stop(proc)
+    raise AssertionError("unreachable")
 
 
 def _post(port: int, path: str, body: bytes, content_type: str, *, timeout_s: float, log: Path) -> tuple[bytes, str]:
