@@ -11,6 +11,7 @@ The test watches for the fault's marker (the FUSE server writes it when a read r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -153,3 +154,35 @@ def test_without_madv_populate_read_an_io_error_is_named_not_a_sigbus(tiny_wan_d
     assert line.startswith(f"CheckpointError: {mounted}: error while reading tensor "), line
     offset = int(re.search(r" at byte (\d+)", line).group(1))
     assert failed["offset"] <= offset < failed["offset"] + failed["size"], (offset, failed)
+
+
+def test_opening_a_shard_whose_read_stalls_is_bounded_and_named(tiny_wan_dir, tmp_path):
+    """A read of one shard's last page stalls in the store (here another thread: in a server, a peer rank). Opening
+    that shard again waits in the kernel for the page the read holds (FUSE drops a file's cached pages on open),
+    SIGKILL or not: before, every reader opened a shard in the loading thread (the header read again, the mapping,
+    ``rank_local``'s descriptor) and a 2-rank server hung there (seen). Now each open is bounded by
+    ``read_timeout_s`` and named; seen hanging on the code before."""
+    import threading
+
+    from vllm_diffusion_plugin.engine import file_reads, reader
+    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+
+    shard = _shard(tiny_wan_dir)
+    with faulty_store(tiny_wan_dir, tmp_path, shard, mode="stall") as (checkpoint, fault):
+        mounted = checkpoint / "transformer" / shard.name
+        source = resolve_component(checkpoint / "transformer")
+        fd = os.open(mounted, os.O_RDONLY)
+
+        def held() -> None:
+            with contextlib.suppress(OSError):  # the store unmounted: the read ends
+                os.pread(fd, 1, os.fstat(fd).st_size - 1)
+
+        threading.Thread(target=held, daemon=True).start()
+        wait_for(fault.marker, timeout_s=30)  # that read is held in the store now
+        with reader.bounded_reads(1.0):
+            with pytest.raises(reader.ReadTimeoutError) as mapped:
+                next(file_reads.mapped_file(source, mounted, source.keys_in(mounted)))
+            with pytest.raises(reader.ReadTimeoutError) as described, file_reads.FileReads(source) as reads:
+                reads.fill(source.keys_in(mounted)[0])
+    for error in (mapped.value, described.value):
+        assert f"{mounted} (reading its header): no answer within 1 s (read_timeout_s)" in str(error), error

@@ -116,10 +116,17 @@ class ComponentSource:
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Key -> TensorInfo from a safetensors header, in data order; only the header bytes are read.
+    """Key -> TensorInfo from a safetensors header, in data order; only the header bytes are read, waited for at
+    most the read timeout (``reader.bounded``: a store that stopped answering is named, not waited on forever).
 
     Raises CheckpointError naming ``path`` for a truncated, corrupt or unsupported file.
     """
+    from vllm_diffusion_plugin.engine.reader import bounded
+
+    return bounded(f"{path} (reading its header)", _read_header, path)
+
+
+def _read_header(path: Path) -> dict[str, TensorInfo]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -175,6 +182,18 @@ def unchanged_data_start(source, file: Path, keys) -> int:
     changed = [k for k in keys if header.get(k) != source.tensors[k]]
     if changed:
         raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+    return data_start(file)
+
+
+def data_start(file: Path) -> int:
+    """Where the data of safetensors ``file`` starts (its header length read again, waited for at most the read
+    timeout)."""
+    from vllm_diffusion_plugin.engine.reader import bounded
+
+    return bounded(f"{file} (reading its header)", _data_start, file)
+
+
+def _data_start(file: Path) -> int:
     with open(file, "rb") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
 

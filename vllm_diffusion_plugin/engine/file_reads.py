@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, TensorInfo
+from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, TensorInfo, data_start  # noqa: F401 (readers' name)
 
 if TYPE_CHECKING:
     from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
@@ -25,8 +25,10 @@ def mapped_file(source: ComponentSource, file: Path, keys: list[str]) -> Iterato
     A tensor whose offset does not suit its dtype's alignment is read with ``pread`` instead."""
     from vllm_diffusion_plugin.engine.pagein import pread_tensor
 
-    start0, size = data_start(file), file.stat().st_size
-    storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
+    from vllm_diffusion_plugin.engine.reader import bounded
+
+    start0 = data_start(file)
+    size, storage = bounded(f"{file} (mapping it)", _mapping, file)
     for key in keys:
         info = source.tensors[key]
         start = start0 + info.offset
@@ -39,9 +41,16 @@ def mapped_file(source: ComponentSource, file: Path, keys: list[str]) -> Iterato
         yield key, raw.view(info.dtype).view(info.shape)
 
 
-def data_start(file: Path) -> int:
-    with open(file, "rb") as f:
-        return 8 + int.from_bytes(f.read(8), "little")
+def _mapping(file: Path) -> tuple[int, torch.UntypedStorage]:
+    size = file.stat().st_size
+    return size, torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
+
+
+def open_file(file: Path):
+    """``open(file, "rb")``, waited for at most the read timeout (``reader.bounded``)."""
+    from vllm_diffusion_plugin.engine.reader import bounded
+
+    return bounded(f"{file} (opening it)", open, file, "rb")
 
 
 def mapped_at(start: int, info: TensorInfo) -> int | None:
@@ -87,8 +96,10 @@ class FileReads:
         if file not in self._open:
             from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
 
+            from vllm_diffusion_plugin.engine.reader import bounded
+
             data_start = unchanged_data_start(self.source, file, self.source.keys_in(file))
-            self._open[file] = (os.open(file, os.O_RDONLY), data_start)
+            self._open[file] = (bounded(f"{file} (opening it)", os.open, file, os.O_RDONLY), data_start)
         return self._open[file]
 
     def close(self) -> None:

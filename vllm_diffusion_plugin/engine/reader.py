@@ -64,6 +64,11 @@ class ReadTimeoutError(TimeoutError):
     daemon thread, so the process's exit does not wait for it -- though Linux may, until the store answers."""
 
 
+def _stopped_answering(what: str, timeout_s: float) -> ReadTimeoutError:
+    return ReadTimeoutError(f"{what}: no answer within {timeout_s:g} s (read_timeout_s): the store stopped answering; "
+                            f"the load gives up (a read thread stays blocked in the kernel until the store answers)")
+
+
 @contextlib.contextmanager
 def bounded_reads(timeout_s: float) -> Iterator[None]:
     """Within this block (this thread and context), :func:`read_ahead` waits at most ``timeout_s`` for one read."""
@@ -72,6 +77,28 @@ def bounded_reads(timeout_s: float) -> Iterator[None]:
         yield
     finally:
         _read_timeout_s.reset(token)
+
+
+def bounded(what: str, work: Callable[..., R], *args: Any) -> R:
+    """``work(*args)`` -- opening a checkpoint file, reading its header -- on a daemon thread, waited for at most
+    the read timeout (:func:`bounded_reads`), then :class:`ReadTimeoutError` naming ``what``. Where a store stopped
+    answering, an ``open()`` waits in the kernel too, and nothing ends that wait: FUSE drops a file's cached pages
+    on every open, waiting for the page a stalled read holds locked (seen: a peer rank opening the shard another
+    rank's read stalled in). Errors of ``work`` are raised as they are."""
+    timeout_s = _read_timeout_s.get()
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work(*args))
+        except BaseException as exc:  # noqa: BLE001 -- raised in the caller's thread
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"{THREAD_NAME}_open", daemon=True).start()
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise _stopped_answering(what, timeout_s) from None
 
 
 class _Readers:
@@ -137,9 +164,7 @@ def read_ahead(jobs: Iterable[J], read: Callable[[J], R], *, threads: int, nbyte
         except FutureTimeout:
             stuck.append(job)
             what = where(job) if where is not None else f"a read of {nbytes(job)} bytes"
-            raise ReadTimeoutError(f"{what}: no answer within {timeout_s:g} s (read_timeout_s): the store stopped "
-                                   f"answering; the load gives up (a read thread stays blocked in the kernel "
-                                   f"until the store answers)") from None
+            raise _stopped_answering(what, timeout_s) from None
 
     readers = _Readers(threads)
     try:

@@ -143,11 +143,12 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                     targets: Mapping[str, torch.Tensor], stats: Any, bar: Any, threads: int = 1,
                     staging: Any = None) -> None:
     """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
+    from vllm_diffusion_plugin.engine import file_reads
     from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
     from vllm_diffusion_plugin.engine.reader import StagedCopy, read_ahead
 
     data_start = unchanged_data_start(source, file, keys)
-    with open(file, "rb") as f:
+    with file_reads.open_file(file) as f:
 
         def rows() -> Iterator[tuple[torch.Tensor, torch.dtype, int]]:  # (destination rows, dtype, file offset)
             for key in keys:
