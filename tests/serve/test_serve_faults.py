@@ -12,7 +12,9 @@ I/O error. The server exits within 90 s of the fault and its error line names th
 at; nothing of it is left (group, port, and -- as root -- its own /dev/shm, bound in a private mount namespace). On
 the code before ``patch_worker_death.record_error`` the server exited as it does now, but its line said only
 "diffusion worker rank 0 exited with code 1, rank 1 exited with code 1 (its error is above)": the file and the
-offset were each worker's traceback's last line, ~100 lines above.
+offset were each worker's traceback's last line, ~100 lines above. And a store that stops answering (a stall): the
+server exits within 90 s of the fault naming the shard, the byte and ``read_timeout_s``, and once the store is gone
+nothing of it is left (before: it hung).
 
 Skipped unless ``VLLM_DIFFUSION_SERVE_PROOF=1`` (``.ci/omni-serve.sh``).
 """
@@ -247,15 +249,14 @@ def test_an_io_error_in_a_server_load_ends_it_naming_the_file_and_offset(pipelin
     assert not shm_left, f"the server left in /dev/shm: {shm_left}"
 
 
-@pytest.mark.skip(reason="a known hang (docs/faults.md, 'a read that stalls'): the workers give up after "
-                  "read_timeout_s naming the file, but a peer's open() of the same shard waits in the kernel for the "
-                  "page the stalled read holds locked, and vllm-omni waits for every worker's 'ready' pipe")
 @pytest.mark.parametrize("strategy", ["rank_local", "broadcast"])
 def test_a_stalled_read_in_a_server_load_ends_it_within_read_timeout(pipeline, tmp_path, strategy):
     """The store stops answering reads of ``transformer``'s third shard from its last page on, the server started
     with ``read_timeout_s`` 5: it exits non-zero within 90 s, its error line names the shard, the byte and
     ``read_timeout_s``. A worker held in that read cannot end (Linux never ends a FUSE read the store took, SIGKILL
-    or not) until the store answers: once the store is gone, nothing of the server is left."""
+    or not) until the store answers: once the store is gone, nothing of the server is left. Before (both
+    strategies, seen): the server still ran 90 s after the fault -- a peer's ``open()`` of the shard waited in the
+    kernel, vllm-omni waited for the ready pipe of a worker that could not end, then joined it at exit."""
     with _store_fault_server(pipeline, tmp_path, "stall", strategy, read_timeout_s=5) as f:
         exited_s, held, _ = _exits(f)
     released = time.monotonic()  # the store unmounted and stopped: a read held in it fails now

@@ -23,6 +23,13 @@ by ``patch_load_path``) in a folder of the starting process (:func:`errors_dir`:
 process's id; made before the workers start, removed once they are up or have failed), and the line carries it:
 ``diffusion worker ranks 0, 1 failed: CheckpointError: <file>: ... at byte 20480 ...``.
 
+A worker whose read is stuck in a store that stopped answering cannot end (Linux never ends a FUSE read the store
+took, SIGKILL or not): its files stay open, the "ready" pipe too, so ``_launch_workers`` waited for that pipe's end
+forever, and multiprocessing joins its children at the server's exit. So a worker that records its error also sends
+``status: failed`` on its pipe (:func:`record_error`: vllm-omni then raises at once), and once the line is said the
+workers still running are stopped and those that cannot end are no longer joined (:func:`let_go`, a warning naming
+them): the server exits; they end when the store answers or is unmounted.
+
 Versions. Recognized shape: ``MultiprocDiffusionExecutor._launch_workers(self, broadcast_handle, wake_events)``
 starting ``multiprocessing.Process(name=f"DiffusionWorker-{i}")`` (0.30.0, 0.31.0rc1, 0.32.0rc1).
 Unrecognized: skipped with a warning (vllm-omni's own message is kept).
@@ -37,6 +44,7 @@ import multiprocessing.process
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -53,6 +61,8 @@ TARGET = "vllm_omni.diffusion.executor.multiproc_executor"
 WORKER_NAME = re.compile(r"DiffusionWorker-(\d+)$")
 SETTLE_S = 5.0
 """Seconds for the rest of a failing group to end before the dead are described."""
+LET_GO_S = 3.0
+"""Seconds a worker still running when the workers failed to start has to end after SIGTERM, before SIGKILL."""
 
 _workers: "weakref.WeakValueDictionary[int, multiprocessing.process.BaseProcess]" = weakref.WeakValueDictionary()
 """Rank -> the last ``DiffusionWorker-<rank>`` process started in this process."""
@@ -99,6 +109,7 @@ def _wrap(original):
             if line is None:
                 raise
             logger.error("%s", line)
+            let_go()
             raise RuntimeError(line) from exc
         finally:
             shutil.rmtree(errors, ignore_errors=True)
@@ -124,6 +135,50 @@ def record_error(rank: int, exc: BaseException) -> None:
         os.replace(folder / f".rank-{rank}.tmp", folder / f"rank-{rank}")
     except OSError as failed:
         logger.debug("Could not record rank %d's load error in %s: %s", rank, folder, failed)
+    _tell_starter(line)
+
+
+def _tell_starter(line: str) -> None:
+    """Send ``{"status": "failed"}`` on this worker's "ready" pipe (``worker_main``'s ``pipe_writer``, found up this
+    thread's stack): the starting process stops waiting for this rank now. Otherwise it waits for the pipe's end,
+    which never comes while a read of this worker is stuck in its store: the process cannot end, and its files --
+    the pipe too -- stay open."""
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "worker_main" and "pipe_writer" in frame.f_locals):
+        frame = frame.f_back
+    if frame is None:
+        logger.debug("No vllm-omni worker_main up this stack: the starting process learns of the failure when "
+                     "this worker ends")
+        return
+    try:
+        frame.f_locals["pipe_writer"].send({"status": "failed", "error": line})
+    except (OSError, ValueError) as failed:  # the starting process gone, the pipe closed
+        logger.debug("Could not tell the starting process of the failure: %s", failed)
+
+
+def let_go(grace_s: float = LET_GO_S) -> list[int]:
+    """Once the workers failed to start: stop those still running (SIGTERM, SIGKILL after ``grace_s``), and stop
+    joining those that still cannot end -- a read stuck in a store, which Linux ends only when the store answers --
+    so that this process (the server) exits: multiprocessing joins its children at exit, forever for those. Their
+    ranks, named in a warning."""
+    alive = {rank: p for rank, p in sorted(_workers.items()) if p.exitcode is None}
+    for signal_them, wait_s in (("terminate", grace_s), ("kill", 1.0)):
+        for p in alive.values():
+            if p.exitcode is None:
+                getattr(p, signal_them)()
+        deadline = time.monotonic() + wait_s
+        while any(p.exitcode is None for p in alive.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    stuck = [rank for rank, p in alive.items() if p.exitcode is None]
+    children = getattr(multiprocessing.process, "_children", None)  # CPython's set of the processes joined at exit
+    for rank in stuck:
+        if isinstance(children, set):
+            children.discard(alive[rank])
+    if stuck:
+        logger.warning("diffusion worker %s cannot end (SIGKILL sent): a read stuck in its store holds it until the "
+                       "store answers or is unmounted; the server exits without waiting for it",
+                       ", ".join(f"rank {rank} (pid {alive[rank].pid})" for rank in stuck))
+    return stuck
 
 
 def _recorded(errors: Path | None) -> dict[int, str]:
