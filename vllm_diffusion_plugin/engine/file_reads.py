@@ -24,7 +24,6 @@ def mapped_file(source: ComponentSource, file: Path, keys: list[str]) -> Iterato
     faults on the page cache, writing one copies only the pages it touches, and nothing reaches the file.
     A tensor whose offset does not suit its dtype's alignment is read with ``pread`` instead."""
     from vllm_diffusion_plugin.engine.pagein import pread_tensor
-
     from vllm_diffusion_plugin.engine.reader import bounded
 
     start0 = data_start(file)
@@ -95,7 +94,6 @@ class FileReads:
     def _descriptor(self, file: Path) -> tuple[int, int]:
         if file not in self._open:
             from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
-
             from vllm_diffusion_plugin.engine.reader import bounded
 
             data_start = unchanged_data_start(self.source, file, self.source.keys_in(file))
