@@ -212,6 +212,19 @@ def port_taken(proc: subprocess.Popen, run: ServerRun) -> bool:
     return proc.poll() is not None and PORT_TAKEN in run.log.read_text(errors="replace")
 
 
+ATTEMPTS = 3
+"""Starts of one server at most, when it lost its port (:func:`port_taken`)."""
+
+
+def _start_again(attempt: int, proc: subprocess.Popen, run: ServerRun) -> bool:
+    """Whether start ``attempt`` of a server is to be made again: it lost its port and attempts are left. Its log
+    is then kept beside the next one's (``<name>.port-taken-<attempt>.log``)."""
+    if attempt >= ATTEMPTS or not port_taken(proc, run):
+        return False
+    run.log.rename(run.log.with_suffix(f".port-taken-{attempt}.log"))
+    return True
+
+
 def wait_healthy(proc: subprocess.Popen, run: ServerRun, port: int, *, timeout_s: float) -> float:
     """Seconds until ``/health`` answers; raises when the server exits first or ``timeout_s`` passes."""
     t0 = time.monotonic()
@@ -238,7 +251,7 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
     end of load, vllm-omni's "Model loading took" line, before its warm-up run). ``progress``: called with a line
     when ready and when each request is answered."""
     request = request or request_video
-    for attempt in range(1, 4):
+    for attempt in range(1, ATTEMPTS + 1):
         proc, run, port = launch(spec, logdir, cpu=cpu)
         t0 = time.monotonic()
         sampler = GroupSampler(proc.pid, interval_s=sample_s, log=run.log, marks=dict(marks)) if sample_s else None
@@ -258,8 +271,8 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
                              f"({time.monotonic() - t0:.1f} s after launch)")
             return run
         except ServerError as exc:
-            if attempt < 3 and port_taken(proc, run):
-                continue  # its log is kept beside the next one's (renamed in finally)
+            if _start_again(attempt, proc, run):
+                continue
             exc.run = run  # what was measured before the failure (log, sampled processes)
             raise
         finally:
@@ -267,8 +280,6 @@ def serve(spec: ServerSpec, logdir: Path, *, request: Request | None = None, req
                 if sampler:
                     run.processes = sampler.finish()  # while the processes are still alive: their last figures
                 stop(proc)
-            if attempt < 3 and port_taken(proc, run):
-                run.log.rename(run.log.with_suffix(f".port-taken-{attempt}.log"))
     raise AssertionError("unreachable")
 
 
@@ -276,7 +287,7 @@ def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True,
                   timeout_s: float = 300.0) -> tuple[int, str, float]:
     """Start a server that must refuse to start: ``(exit status, log, seconds)``; raises if it became healthy
     or was still running after ``timeout_s``. A server that lost its port (:func:`port_taken`) is started again."""
-    for attempt in range(1, 4):
+    for attempt in range(1, ATTEMPTS + 1):
         proc, run, port = launch(spec, logdir, cpu=cpu)
         t0 = time.monotonic()
         try:
@@ -287,8 +298,7 @@ def refused_start(spec: ServerSpec, logdir: Path, *, cpu: bool = True,
                     raise ServerError(f"[{spec.name}] neither refused nor started within {timeout_s:.0f} s; "
                                       f"log {run.log}:\n{log_tail(run.log)}")
                 time.sleep(1.0)
-            if attempt < 3 and port_taken(proc, run):
-                run.log.rename(run.log.with_suffix(f".port-taken-{attempt}.log"))
+            if _start_again(attempt, proc, run):
                 continue
             return proc.returncode, run.log_text(), time.monotonic() - t0
         finally:
