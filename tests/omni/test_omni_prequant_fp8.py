@@ -166,19 +166,6 @@ def _params_of(root: Path, config) -> dict[str, torch.Tensor]:
     return _BASE[root]
 
 
-@pytest.mark.parametrize("strategy", ["rank_local", "broadcast"])
-def test_other_strategies_are_refused_by_name(strategy):
-    from types import SimpleNamespace
-
-    from vllm_diffusion_plugin.doors.omni.serve_options import refuse_checkpoint_quantization
-
-    config = SimpleNamespace(get_name=lambda: "modelopt", is_checkpoint_fp8_serialized=True, quant_method="FP8")
-    with pytest.raises(ValueError, match=rf"ModelOpt FP8 checkpoint \(FP8\) loads under vllm-omni with "
-                                         rf"hsdp_weight_load='full' only: '{strategy}'"):
-        refuse_checkpoint_quantization(config, strategy)
-    refuse_checkpoint_quantization(config, "full")
-
-
 def test_a_layer_the_checkpoint_keeps_unquantized_but_vllm_omni_builds_as_fp8_is_named(omni_world, no_post_processing,
                                                                                        tmp_path):
     """ModelOpt's ``exclude_modules`` keeps ``img_mlp.net.2`` in the load dtype; vllm-omni's Qwen-Image builds it as

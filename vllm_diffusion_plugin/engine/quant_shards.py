@@ -47,9 +47,10 @@ ROW_PROTOCOL = ("scale_granularity", "quantized_dtype", "row_amax", "quantize_ro
 GRANULARITIES = ("tensor", "channel")
 
 ROW_WISE_METHODS: set[str] = set()
-"""Quantization method names (as given to vllm-omni's ``--quantization``) whose methods declare the row protocol;
-a method registers its name here where it registers itself (``testing.online_quant.register_omni_override``).
-vllm-omni's door refuses ``rank_local`` with any other name at startup."""
+"""Quantization method names (as given to vllm-omni's ``--quantization``, or a pre-quantized checkpoint's) whose
+methods declare the row protocol (a pre-quantized FP8 method: ``doors/omni/rank_local_prequant``'s); a method
+registers its name here where it registers itself (``testing.online_quant.register_omni_override``,
+``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with any other name at startup."""
 
 
 class RowQuantError(ValueError):

@@ -6,8 +6,9 @@ custom CUDA ops, so a pre-quantized ModelOpt FP8 DiT cannot be served on a CPU-o
 and ``is_checkpoint_fp8_serialized``, which vllm-omni's ``ModelOptFp8CheckpointAdapter`` keys on) and gives every
 quantized linear a method with vLLM's parameters -- ``weight`` fp8 ``[out, in]``, ``weight_scale`` one per stacked
 part (per tensor; ``[out]`` per channel), ``input_scale`` one per part (per tensor) -- and vLLM's post-processing
-arithmetic in plain torch: the parts of a stacked layer requantized to their largest scale, then the weight
-dequantized in the forward (activations are not quantized: the static ``input_scale`` is loaded and not used).
+arithmetic in plain torch: the parts of a stacked layer requantized to their largest scale (``requantize_rows``, also
+applied to each rank's own rows under ``rank_local``), then the weight dequantized in the forward (activations are
+not quantized: the static ``input_scale`` is loaded and not used).
 
 Registered through vLLM's own ``register_quantization_config("modelopt")`` by the ``diffusion_cpu_fp8`` general plugin
 (``testing/cpu_fp8.py``) only on our CPU platform, and said so in the log. Imports vLLM.
@@ -59,19 +60,23 @@ class CpuModelOptFp8LinearMethod(Fp8RowMethod, LinearMethodBase):
         if bool((scale == UNLOADED).any()):
             raise ValueError(f"ModelOpt FP8 layer {type(layer).__name__} {tuple(weight.shape)}: weight_scale was not "
                              f"loaded from the checkpoint")
-        if self.per_channel:
-            scale = scale.reshape(-1, 1)
-        else:  # vLLM's requantize_with_max_scale: every stacked part to the largest scale
+        if not self.per_channel:  # vLLM's requantize_with_max_scale: every stacked part to the largest scale
             top, rows, start = scale.max(), [], 0
             for part, width in zip(scale, layer.logical_widths):
-                part_rows = weight[start:start + width]
-                rows.append(part_rows if bool(part == top) else
-                            (dequantize(part_rows, part) / top).clamp(-LIMIT, LIMIT).to(FP8))
+                rows.append(self.requantize_rows(weight[start:start + width], part, top))
                 start += width
             weight, scale = torch.cat(rows), top
         layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)  # per channel: [out], as loaded
         self.install_rows(layer)
+
+    def requantize_rows(self, rows: torch.Tensor, scale: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """FP8 ``rows`` of one stacked part at its per-tensor ``scale``, at the layer's largest part scale ``top``
+        (as they are where ``scale`` is ``top``): the post-processing above, row by row (elementwise per row), which
+        ``hsdp_weight_load=rank_local`` applies to each rank's own rows (``doors/omni/rank_local_prequant.py``)."""
+        if bool(scale == top):
+            return rows
+        return (dequantize(rows, scale) / top).clamp(-LIMIT, LIMIT).to(FP8)
 
 
 class CpuModelOptFp8Config(ModelOptFp8Config):
@@ -88,11 +93,15 @@ class CpuModelOptFp8Config(ModelOptFp8Config):
 def register() -> str:
     """``modelopt`` -> :class:`CpuModelOptFp8Config` in vLLM's quantization registry (its out-of-tree hook); the
     method's parameters loaded by vLLM's ``weight_loader_v2`` (per-part scales of stacked layers), as vLLM's own
-    ModelOpt method registers itself."""
+    ModelOpt method registers itself. Its layers are finished row by row under ``rank_local`` (``requantize_rows``):
+    named in ``engine.quant_shards.ROW_WISE_METHODS``."""
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
 
     if CpuModelOptFp8LinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
         linear.WEIGHT_LOADER_V2_SUPPORTED.append(CpuModelOptFp8LinearMethod.__name__)
     register_quantization_config("modelopt")(CpuModelOptFp8Config)
+    ROW_WISE_METHODS.add("modelopt")
     return "modelopt"

@@ -12,10 +12,11 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
 - ``load_model``: for our format, before vllm-omni builds anything: options from
   ``--additional-config diffusion_hsdp`` (``serve_options``), combinations we do not carry refused
   (``serve_options.check_supported``; vllm-omni's ``--diffusion-load-format diffusers`` / ``dummy``;
-  GGUF / torchao / pre-quantized checkpoints but ModelOpt FP8 with ``full``), this rank's planned device peak
-  held against its free accelerator memory (``preflight.check_device``); the weight-load strategy (``broadcast``: vllm-omni's
-  ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank 0 loads through our path,
-  vllm-omni's bucketed broadcast sends the result, the other ranks read nothing); then one INFO line per DiT
+  GGUF / torchao / pre-quantized checkpoints but ModelOpt FP8: ``serve_options.checkpoint_strategy``), this rank's
+  planned device peak held against its free accelerator memory (``preflight.check_device``); the weight-load
+  strategy (``broadcast``: vllm-omni's ``enable_broadcast_weight_load`` on the loader's copy of ``od_config``: rank
+  0 loads through our path, vllm-omni's bucketed broadcast sends the result, the other ranks read nothing; a
+  ModelOpt FP8 checkpoint loads with ``full``, as vllm-omni broadcasts no quantized one); then one INFO line per DiT
   component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=... total_s=...
   peak_rss=...`` (the worker's peak RSS up to the end of its load). vllm-omni's load runs within
   ``reader.bounded_reads(read_timeout_s)``: a read of ours that the store does not answer fails the load naming
@@ -160,8 +161,8 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     from vllm_diffusion_plugin.doors.omni.preflight import check_device
     from vllm_diffusion_plugin.doors.omni.serve_options import (
         check_supported,
+        checkpoint_strategy,
         read_threads,
-        refuse_checkpoint_quantization,
         weight_load_strategy,
     )
     from vllm_diffusion_plugin.engine.pipeline import World
@@ -183,7 +184,7 @@ def _prepare(loader: Any, load_format: str | None) -> dict[str, Any]:
     if strategy != "full" and World.current().world_size == 1:
         logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
         strategy = "full"
-    refuse_checkpoint_quantization(loader.quant_config, strategy)
+    strategy = checkpoint_strategy(loader.quant_config, strategy)
     ours = {"enable_broadcast_weight_load": strategy == "broadcast"}
     if getattr(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
         ours["hsdp_weight_load_strategy"] = "full"  # never upstream's pre-sharded load (no LoRA, no stacked q/k/v)

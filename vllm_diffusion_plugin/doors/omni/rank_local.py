@@ -20,6 +20,7 @@ and its placement of VAEs / encoders follow, as in its own HSDP path.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni.rank_local_prequant import DequantizedBinding
 from vllm_diffusion_plugin.engine.strategies.base import DistributedLoadError
 from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
 
@@ -58,6 +60,8 @@ class _BindingTracer(TorchDispatchMode):
     def __init__(self, params: dict[int, tuple[str, torch.Tensor]], origins: dict[int, tuple]) -> None:
         super().__init__()
         self.params, self.origins = params, origins
+        self.scaled: dict[int, str] = {}
+        """storage id -> scale key: FP8 checkpoint rows dequantized by vllm-omni's ModelOpt adapter (``w * s``)."""
         self.bindings: list[tuple[Any, RowBinding]] = []
         """(the DiT the checkpoint tensor belongs to, its binding)"""
         self.problems: list[str] = []
@@ -70,6 +74,8 @@ class _BindingTracer(TorchDispatchMode):
             self._copy(args[0], args[1])
         elif func in (aten._to_copy.default, aten.clone.default):
             self._derive(args[0], out)
+        elif func is aten.mul.Tensor:
+            self._dequantized(args[0], args[1], out)
         else:
             for i, arg in enumerate(func._schema.arguments):
                 info = arg.alias_info
@@ -86,6 +92,20 @@ class _BindingTracer(TorchDispatchMode):
                 and out.shape == src.shape:
             dit, key, shape, base = origin
             self.origins[_sid(out)] = (dit, key, shape, base + src.storage_offset())
+            if _sid(src) in self.scaled:
+                self.scaled[_sid(out)] = self.scaled[_sid(src)]
+
+    def _dequantized(self, weight: torch.Tensor, scale: Any, out: Any) -> None:
+        """``weight * scale`` of a whole FP8 checkpoint tensor and its own ``weight_scale``: what vllm-omni's
+        ModelOpt adapter hands a layer it built unquantized; its rows stay bound to the FP8 tensor's rows, marked."""
+        origin = self.origins.get(_sid(weight))
+        found = self.origins.get(_sid(scale)) if isinstance(scale, torch.Tensor) else None
+        if origin is None or found is None or not isinstance(out, torch.Tensor) or out.shape != weight.shape \
+                or origin[3] or weight.storage_offset() or found[1] != origin[1].removesuffix(".weight") + \
+                ".weight_scale":
+            return
+        self.origins[_sid(out)] = origin
+        self.scaled[_sid(out)] = found[1]
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         found = self.params.get(_sid(dst))
@@ -100,11 +120,12 @@ class _BindingTracer(TorchDispatchMode):
         if not (dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
             self.problems.append(f"{name}: {key} is copied in through a reshaped, transposed or broadcast view")
             return
-        if param.dim() == 0 or len(key_shape) == 0:
-            if param.numel() != 1 or int(torch.Size(key_shape).numel()) != 1:
+        if param.dim() == 0 or len(key_shape) == 0:  # a scalar, or one element of a 1-D parameter (per-part scales)
+            if dst.numel() != 1 or int(torch.Size(key_shape).numel()) != 1 or param.dim() > 1:
                 self.problems.append(f"{name}: scalar copy from {key} {tuple(key_shape)}")
                 return
-            self.bindings.append((dit, RowBinding(key, name)))
+            self.bindings.append((dit, RowBinding(key, name) if param.dim() == 0 else
+                                  RowBinding(key, name, start=dst.storage_offset(), rows=1)))
             return
         row = _row_numel(param.shape)
         key_offset = base + src.storage_offset()
@@ -113,8 +134,10 @@ class _BindingTracer(TorchDispatchMode):
             self.problems.append(f"{name} {tuple(param.shape)}: {key} {tuple(key_shape)} does not land on whole "
                                  f"rows of it")
             return
-        self.bindings.append((dit, RowBinding(key, name, start=dst.storage_offset() // row,
-                                               key_start=key_offset // row, rows=dst.numel() // row)))
+        rows = dict(start=dst.storage_offset() // row, key_start=key_offset // row, rows=dst.numel() // row)
+        scale_key = self.scaled.get(_sid(src))
+        self.bindings.append((dit, RowBinding(key, name, **rows) if scale_key is None else
+                              DequantizedBinding(key, name, **rows, scale_key=scale_key)))
 
 
 def trace_bindings(model: nn.Module, dits: Sequence[Any]) -> tuple[dict[str, list[RowBinding]], set[str] | None]:
@@ -126,16 +149,19 @@ def trace_bindings(model: nn.Module, dits: Sequence[Any]) -> tuple[dict[str, lis
     params = {_sid(p): (name, p) for name, p in model.named_parameters() if p.is_meta}
     params.update({_sid(b): (name, b) for name, b in model.named_buffers() if b.is_meta})
     before = {name: sid for sid, (name, _) in params.items()}
-    probes, origins = [], {}
+    probes, origins, streams = [], {}, []
     for dit in dits:
+        mine = []
         for key, info in dit.source.tensors.items():
             probe = torch.empty(info.shape, dtype=info.dtype, device="meta")
-            probes.append((dit.prefix + key, probe))  # all alive until the end: storage ids stay unique
+            mine.append((dit.prefix + key, probe))
             origins[_sid(probe)] = (dit, key, tuple(info.shape), 0)
+        probes += mine  # all alive until the end: storage ids stay unique
+        streams.append(dit.adapter.adapt(iter(mine)) if dit.adapter is not None else iter(mine))  # as load_path
     tracer = _BindingTracer(params, origins)
     try:
         with tracer, torch.no_grad():
-            loaded = model.load_weights(iter(probes))
+            loaded = model.load_weights(itertools.chain(*streams))
     except (RuntimeError, NotImplementedError) as exc:
         raise TraceError(f"{type(model).__name__}.load_weights cannot run on meta tensors ({exc}), so rank_local "
                          f"cannot learn where each checkpoint row goes; use hsdp_weight_load=full or "
@@ -271,7 +297,7 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     from vllm_omni.diffusion.distributed.hsdp import HSDPInferenceConfig
     from vllm_omni.diffusion.offloader.module_collector import ModuleDiscovery
 
-    from vllm_diffusion_plugin.doors.omni import load_path, rank_local_quant
+    from vllm_diffusion_plugin.doors.omni import load_path, rank_local_prequant, rank_local_quant
     from vllm_diffusion_plugin.engine import quant_shards
     from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows, read_bound_rows
 
@@ -287,6 +313,7 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     dits, whole = split_sources(model, sources, discovered.outermost_dits())
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
     quantized = rank_local_quant.find_layers(modules, dits)  # online quant: refused here unless row-wise
+    prequantized = rank_local_prequant.find_layers(modules, dits)  # FP8 checkpoints: the same
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
     _memory("DiTs released to meta")
     if report is not None:
@@ -303,9 +330,11 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
                            exempt_suffixes=())
     for dit in dits:
         check_coverage(dit, modules[dit.component], bindings[dit.component])
+        rank_local_prequant.bind(prequantized[dit.component], bindings[dit.component], dit.source)
     for dit in dits:
         module = modules[dit.component]
         quant_shards.to_quantized_layout(module, quantized[dit.component], prefix=dit.prefix)
+        rank_local_prequant.to_final_layout(module, prequantized[dit.component], prefix=dit.prefix)
         _shard_on_meta(module, hsdp_config, device)
         with torch.no_grad():
             for name, value in buffers[dit.component].items():
@@ -315,12 +344,20 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     for dit in dits:
         start = time.perf_counter()
         layers, deltas = quantized[dit.component], dit.fuser.deltas if dit.fuser is not None else []
+        fp8 = prequantized[dit.component]
         into = {layer.weight for layer in layers}
-        plain = [b for b in bindings[dit.component] if b.target not in into]
+        plain = [b for b in bindings[dit.component] if b.target not in into | rank_local_prequant.unread_targets(fp8)
+                 and not isinstance(b, DequantizedBinding)]
         with load_path.unchanged([dit]):  # a shard truncated or replaced since its header was read: named
             keys, stats = read_bound_rows(dit.source, plain, targets, threads=dit.threads,
                                           staging=dit.staging(device))
-            bytes_read, lora = stats.total_bytes, None
+            bytes_read, lora, lora_s = stats.total_bytes, None, 0.0
+            if fp8_targets := rank_local_prequant.fp8_targets(fp8, bindings[dit.component]):
+                deltas, fp8_deltas = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules,
+                                                                   fp8_targets) if dit.fuser is not None else ([], [])
+                more, nbytes, lora, lora_s = rank_local_prequant.finish(dit, modules[dit.component], fp8,
+                                                                        bindings[dit.component], targets, fp8_deltas)
+                keys, bytes_read = keys | more, bytes_read + nbytes
             if layers:
                 deltas, _ = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules,
                                                           into) if dit.fuser is not None else ([], [])
@@ -329,7 +366,7 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
                                                                       dit.fuser.deltas if dit.fuser else [], device)
                 keys, bytes_read = keys | more, bytes_read + nbytes
         dit.report.bytes_read, dit.report.tensors = bytes_read, len(keys)
-        dit.report.read_s = time.perf_counter() - start
+        dit.report.read_s = time.perf_counter() - start - lora_s
         unbound = sorted(set(dit.source.tensors) - keys)
         if unbound:
             logger.warning("%d checkpoint tensor(s) of %s (%s) go into no parameter of %s and were not read: %s",
@@ -340,9 +377,9 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
             fused = fuse_bound_rows(targets, plain, [d for d in deltas if d], modules=dit.fuser.modules,
                                     chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite,
                                     host_weights=dit.fuser.host_weights)
-            dit.report.record_lora(fused if lora is None else lora + fused, time.perf_counter() - start)
+            dit.report.record_lora(fused if lora is None else lora + fused, time.perf_counter() - start + lora_s)
         elif lora is not None:
-            dit.report.record_lora(lora, 0.0)
+            dit.report.record_lora(lora, lora_s)
         _memory(f"{dit.component} read and fused")
     on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)
                and (t.to_local() if isinstance(t, DTensor) else t).is_meta]

@@ -16,6 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_diffusion_plugin._logging import init_logger
+
+logger = init_logger(__name__)
+
 OPTIONS_KEY = "diffusion_hsdp"
 """The ``--additional-config`` key holding our options."""
 CARRIED_KEY = "diffusion_hsdp_load_format"
@@ -186,21 +190,29 @@ def carried_fp8_checkpoint(quant_config: Any) -> bool:
         and str(getattr(quant_config, "quant_method", "")).upper() in CARRIED_FP8_ALGOS
 
 
-def refuse_checkpoint_quantization(quant_config: Any, strategy: str = "full") -> None:
-    """Raise naming vllm-omni's quantization when the checkpoint itself is quantized (GGUF, torchao, serialized
-    FP8 / NVFP4 / MXFP / INT8, ModelOpt mixed) and not carried: ModelOpt FP8 is, with ``full``
-    (:func:`carried_fp8_checkpoint`)."""
+def checkpoint_strategy(quant_config: Any, strategy: str = "full") -> str:
+    """The weight-load strategy a checkpoint quantized as ``quant_config`` (vllm-omni's) loads with, or raise naming
+    vllm-omni's quantization when the checkpoint itself is quantized (GGUF, torchao, serialized FP8 / NVFP4 / MXFP /
+    INT8, ModelOpt mixed) and not carried. ModelOpt FP8 is (:func:`carried_fp8_checkpoint`): with ``full``; with
+    ``rank_local`` where its method finishes a layer row by row (named in ``quant_shards.ROW_WISE_METHODS``, see
+    ``rank_local_prequant``); ``broadcast`` loads it with ``full`` (vllm-omni broadcasts only unquantized weights,
+    so every rank reads it; said once)."""
     if quant_config is None:
-        return
+        return strategy
     name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
     if carried_fp8_checkpoint(quant_config):
-        if strategy != "full":
-            raise ValueError(f"a pre-quantized ModelOpt FP8 checkpoint ({quant_config.quant_method}) loads under "
-                             f"vllm-omni with hsdp_weight_load='full' only: '{strategy}' would hand vllm-omni's FP8 "
-                             f"layers rows ('rank_local') or broadcast buckets ('broadcast') of FP8 weights and "
-                             f"scales, which vllm-omni's ModelOpt post-processing is not checked with (its kernels "
-                             f"need a GPU); use 'full' (the CLI's rank_local reads FP8 rows)")
-        return
+        if strategy == "rank_local" and name not in _row_wise_methods():
+            raise ValueError(f"a pre-quantized ModelOpt FP8 checkpoint ({quant_config.quant_method}) with "
+                             f"hsdp_weight_load='rank_local': each rank finishes its own FP8 rows as the method "
+                             f"finishes the whole layer, and {type(quant_config).__name__}'s method does not declare "
+                             f"how (vLLM's ModelOpt post-processing and GEMM layout are CUDA ops, not checked row by "
+                             f"row here); use 'full' (the CLI's rank_local reads FP8 rows)")
+        if strategy == "broadcast":
+            logger.info("hsdp_weight_load=broadcast with a pre-quantized ModelOpt FP8 checkpoint: vllm-omni "
+                        "broadcasts only unquantized weights, so every rank reads the checkpoint ('full'); "
+                        "'rank_local' reads 1/S of it per rank")
+            return "full"
+        return strategy
     # each config marks a serialized checkpoint with its own flag (is_checkpoint_fp8_serialized,
     # _nvfp4_, _mxfp8_, _int8_, _torchao_ ...), as vllm-omni's own _disk_marks_serialized reads them
     flags = sorted(k for k, v in vars(quant_config).items() if k.startswith("is_checkpoint_") and v is True) \
@@ -212,6 +224,7 @@ def refuse_checkpoint_quantization(quant_config: Any, strategy: str = "full") ->
                          f"quantization is fine) and ModelOpt FP8 ones; vllm-omni's quantization {name!r} with a "
                          f"GGUF / torchao / pre-quantized checkpoint ({', '.join(flags) or 'by its method'}) is not "
                          f"carried: serve it without --load-format diffusion-hsdp")
+    return strategy
 
 
 def _row_wise_methods() -> set[str]:

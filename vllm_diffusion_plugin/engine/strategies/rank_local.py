@@ -86,7 +86,7 @@ def identity_bindings(keys: Iterable[str], targets: Mapping[str, torch.Tensor]) 
     return [RowBinding(key, key) for key in keys if key in targets]
 
 
-def _bound_local_rows(binding: RowBinding, target: torch.Tensor):
+def bound_local_rows(binding: RowBinding, target: torch.Tensor):
     """``(local view, first key row)`` of the rows of ``binding`` this rank holds, or None when it holds none.
     A 0-dim target is one row."""
     local, first, end = local_rows(binding.target, target)
@@ -124,7 +124,7 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
     for binding in bindings:
         by_key.setdefault(binding.key, []).append(binding)
     mine = sum(found[0].numel() * source.tensors[b.key].dtype.itemsize for b in bindings if b.key in source.tensors
-               and (found := _bound_local_rows(b, targets[b.target])) is not None)
+               and (found := bound_local_rows(b, targets[b.target])) is not None)
     bar = progress_bar(total=mine, desc=f"Loading {source.name} (own rows)", progress=progress)
     try:
         with torch.no_grad():
@@ -155,7 +155,7 @@ def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_
                 info = source.tensors[key]
                 row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
                 for binding in by_key[key]:
-                    found = _bound_local_rows(binding, targets[binding.target])
+                    found = bound_local_rows(binding, targets[binding.target])
                     if found is None:
                         continue
                     dst, key_row = found
@@ -253,7 +253,7 @@ def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowB
         raise DistributedLoadError(f"LoRA targets {unbound[:10]}: their checkpoint tensors go into no parameter")
 
     def bound(key: str) -> list[tuple[torch.Tensor, int]]:
-        found = [_bound_local_rows(b, targets[b.target]) for b in by_key.get(key, ())]
+        found = [bound_local_rows(b, targets[b.target]) for b in by_key.get(key, ())]
         return [f for f in found if f is not None]
 
     total = None
