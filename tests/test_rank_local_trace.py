@@ -25,7 +25,7 @@ KEYS = {"attn.to_q.weight": (ROWS, COLS), "attn.to_k.weight": (ROWS, COLS), "att
 
 def dit_source(keys=KEYS, dtype=torch.bfloat16, component="transformer"):
     tensors = {k: types.SimpleNamespace(shape=shape, dtype=dtype) for k, shape in keys.items()}
-    return types.SimpleNamespace(component=component, prefix=f"{component}.",
+    return types.SimpleNamespace(component=component, prefix=f"{component}.", adapter=None,
                                  source=types.SimpleNamespace(tensors=tensors, folder=f"/ckpt/{component}"))
 
 

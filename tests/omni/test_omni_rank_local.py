@@ -104,7 +104,7 @@ def test_other_families_bind_every_row_once(omni_world, family):
         reference = getattr(diffusers, name)(**config)  # diffusers' checkpoint names and shapes
     tensors = {k: types.SimpleNamespace(shape=tuple(v.shape), dtype=torch.bfloat16)
                for k, v in reference.state_dict().items()}
-    dit = types.SimpleNamespace(component="transformer", prefix="transformer.",
+    dit = types.SimpleNamespace(component="transformer", prefix="transformer.", adapter=None,
                                 source=types.SimpleNamespace(tensors=tensors, folder=f"/{family}/transformer"))
     release_to_meta(pipeline.transformer)
     bindings, _ = trace_bindings(pipeline, [dit])
