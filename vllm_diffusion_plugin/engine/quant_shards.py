@@ -57,17 +57,12 @@ class RowQuantError(ValueError):
     """An online quant method ``rank_local`` cannot apply row by row; the message names the layer and method."""
 
 
-@dataclass(frozen=True)
-class QuantLayer:
-    """One online-quantized linear of a DiT, named as in the targets mapping of the load."""
+class LayerNames:
+    """The parameter names and the scale granularity of a quantized linear with a ``module`` name and a ``method``
+    (``QuantLayer`` here, ``doors/omni/rank_local_prequant.Fp8Layer``)."""
 
     module: str
-    """The layer's module name (``blocks.0.attn1.to_q``)."""
     method: Any
-    shape: tuple[int, int]
-    """``(out, in)``."""
-    dtype: torch.dtype
-    """The dtype ``full`` loads the weight in before quantizing (the transient's)."""
 
     @property
     def weight(self) -> str:
@@ -80,6 +75,19 @@ class QuantLayer:
     @property
     def per_tensor(self) -> bool:
         return self.method.scale_granularity == "tensor"
+
+
+@dataclass(frozen=True)
+class QuantLayer(LayerNames):
+    """One online-quantized linear of a DiT, named as in the targets mapping of the load."""
+
+    module: str
+    """The layer's module name (``blocks.0.attn1.to_q``)."""
+    method: Any
+    shape: tuple[int, int]
+    """``(out, in)``."""
+    dtype: torch.dtype
+    """The dtype ``full`` loads the weight in before quantizing (the transient's)."""
 
 
 @dataclass

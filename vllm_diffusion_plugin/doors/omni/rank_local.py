@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni.rank_local_prequant import DequantizedBinding
+from vllm_diffusion_plugin.doors.omni.rank_local_prequant import DequantizedBinding, scale_key
 from vllm_diffusion_plugin.engine.strategies.base import DistributedLoadError
 from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
 
@@ -103,8 +103,7 @@ class _BindingTracer(TorchDispatchMode):
         origin = self.origins.get(_sid(weight))
         found = self.origins.get(_sid(scale)) if isinstance(scale, torch.Tensor) else None
         if origin is None or found is None or not isinstance(out, torch.Tensor) or out.shape != weight.shape \
-                or origin[3] or weight.storage_offset() or found[1] != origin[1].removesuffix(".weight") + \
-                ".weight_scale":
+                or origin[3] or weight.storage_offset() or found[1] != scale_key(origin[1]):
             return
         self.origins[_sid(out)] = origin
         self.scaled[_sid(out)] = found[1]
@@ -137,9 +136,9 @@ class _BindingTracer(TorchDispatchMode):
                                  f"rows of it")
             return
         rows = dict(start=dst.storage_offset() // row, key_start=key_offset // row, rows=dst.numel() // row)
-        scale_key = self.scaled.get(_sid(src))
-        self.bindings.append((dit, RowBinding(key, name, **rows) if scale_key is None else
-                              DequantizedBinding(key, name, **rows, scale_key=scale_key)))
+        scaled_by = self.scaled.get(_sid(src))
+        self.bindings.append((dit, RowBinding(key, name, **rows) if scaled_by is None else
+                              DequantizedBinding(key, name, **rows, scale_key=scaled_by)))
 
 
 def trace_bindings(model: nn.Module, dits: Sequence[Any]) -> tuple[dict[str, list[RowBinding]], set[str] | None]:

@@ -38,7 +38,7 @@ from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.quant_fuse import FP8
-from vllm_diffusion_plugin.engine.quant_shards import RowQuantError
+from vllm_diffusion_plugin.engine.quant_shards import LayerNames, RowQuantError
 from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
 
 logger = init_logger(__name__)
@@ -59,25 +59,13 @@ scale) and ``install_rows(layer)`` (marks the layout and the layer processed).""
 
 
 @dataclass
-class Fp8Layer:
+class Fp8Layer(LayerNames):
     """One FP8 linear vllm-omni built for a pre-quantized checkpoint, named as in the pipeline."""
 
     module: str
     method: Any
     parts: list[RowBinding] = field(default_factory=list)
     """Its weight's bindings (one per checkpoint tensor stacked into it), in row order: :func:`bind`."""
-
-    @property
-    def per_tensor(self) -> bool:
-        return self.method.scale_granularity == "tensor"
-
-    @property
-    def weight(self) -> str:
-        return f"{self.module}.weight"
-
-    @property
-    def scale(self) -> str:
-        return f"{self.module}.weight_scale"
 
 
 def find_layers(modules: Mapping[str, nn.Module], dits: Sequence[Any]) -> dict[str, list[Fp8Layer]]:
@@ -111,13 +99,14 @@ def bind(layers: Sequence[Fp8Layer], bindings: Sequence[RowBinding], source: Any
         by_target.setdefault(binding.target, []).append(binding)
     for layer in layers:
         layer.parts = sorted(by_target.get(layer.weight, ()), key=lambda b: b.start)
-        missing = [p.key for p in layer.parts if _scale_key(p.key) not in source.tensors]
+        missing = [p.key for p in layer.parts if scale_key(p.key) not in source.tensors]
         if missing:
             raise RowQuantError(f"{layer.weight}: FP8 rows of {', '.join(missing)} come without their weight_scale "
                                 f"in {source.folder}")
 
 
-def _scale_key(weight_key: str) -> str:
+def scale_key(weight_key: str) -> str:
+    """The checkpoint's ``weight_scale`` key beside FP8 weight ``weight_key``."""
     return weight_key.removesuffix(".weight") + ".weight_scale"
 
 
@@ -152,7 +141,7 @@ def finish(dit: Any, module: nn.Module, layers: Sequence[Fp8Layer], bindings: Se
 
     stats = LoadStats()
     dequantized = [b for b in bindings if isinstance(b, DequantizedBinding)]
-    keys = sorted({_scale_key(p.key) for layer in layers if layer.per_tensor for p in layer.parts} |
+    keys = sorted({scale_key(p.key) for layer in layers if layer.per_tensor for p in layer.parts} |
                   {b.scale_key for b in dequantized if dit.source.tensors[b.scale_key].nbytes == 4})
     scales = {key: value.float().reshape(()).clone()
               for key, value in iterate_weights(dit.source, stats=stats, keys=keys)} if keys else {}
@@ -196,7 +185,7 @@ def _fuse_parts(layer: Fp8Layer, bindings: Sequence[RowBinding], targets: Mappin
     the DiT's ``load_path.StreamFuser`` (its module names and fusion options). Returns the ``FuseStats`` or None."""
     from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows, max_over
     from vllm_diffusion_plugin.engine.quant_shards import local_part, shard_group, transient_rows
-    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows, fuse_bound_rows
+    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows
 
     weight, total, summed = targets[layer.weight], None, None
     group = shard_group(weight) if layer.per_tensor else None
@@ -208,17 +197,14 @@ def _fuse_parts(layer: Fp8Layer, bindings: Sequence[RowBinding], targets: Mappin
         if summed is None:
             summed = transient_rows(weight, torch.float32)
         local_part(summed).zero_()
-        biases = [b for b in bindings if b.key == f"{name}.bias"]
-        rows = {layer.weight: summed, **{b.target: targets[b.target] for b in biases}}
-        stats = fuse_bound_rows(rows, [part, *biases], per_file, modules=fuser.modules, chunk_mb=fuser.chunk_mb,
-                                check_finite=fuser.check_finite, host_weights=fuser.host_weights)
+        stats = _sum_deltas({layer.weight: summed}, part, bindings, targets, per_file, fuser)
         total = stats if total is None else total + stats
         mine = bound_local_rows(part, weight)
         q = mine[0] if mine is not None else local_part(weight)[:0]
         delta = bound_local_rows(part, summed)[0] if mine is not None else local_part(summed)[:0]
         if layer.per_tensor:
             agree = max_over(group) if group is not None else None
-            new_q, scales[_scale_key(part.key)] = fuse_fp8_rows(q, scales[_scale_key(part.key)], delta,
+            new_q, scales[scale_key(part.key)] = fuse_fp8_rows(q, scales[scale_key(part.key)], delta,
                                                                per_tensor=True, agree=agree)
             q.copy_(new_q)
         elif mine is not None:
@@ -229,6 +215,18 @@ def _fuse_parts(layer: Fp8Layer, bindings: Sequence[RowBinding], targets: Mappin
     return total
 
 
+def _sum_deltas(rows: Mapping[str, torch.Tensor], binding: RowBinding, bindings: Sequence[RowBinding],
+                targets: Mapping[str, torch.Tensor], per_file: Sequence[dict[str, Any]], fuser: Any):
+    """Every file's delta of ``binding``'s checkpoint tensor summed into its rows of ``rows`` (fp32 transients, zero),
+    its bias deltas into the bias rows in ``targets``, with the DiT's ``fuser``'s options; the ``FuseStats``."""
+    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows
+
+    biases = [b for b in bindings if b.key == binding.key.removesuffix(".weight") + ".bias"]
+    return fuse_bound_rows({**rows, **{b.target: targets[b.target] for b in biases}}, [binding, *biases], per_file,
+                           modules=fuser.modules, chunk_mb=fuser.chunk_mb, check_finite=fuser.check_finite,
+                           host_weights=fuser.host_weights)
+
+
 def _to_top_scale(layer: Fp8Layer, targets: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> None:
     """A per-tensor layer's parts at their largest scale (the method's ``requantize_rows``), which becomes its one
     scale."""
@@ -236,7 +234,7 @@ def _to_top_scale(layer: Fp8Layer, targets: Mapping[str, torch.Tensor], scales: 
     from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows
 
     weight = targets[layer.weight]
-    part_scales = [scales[_scale_key(p.key)] for p in layer.parts]
+    part_scales = [scales[scale_key(p.key)] for p in layer.parts]
     top = torch.stack(part_scales).max()
     for part, scale in zip(layer.parts, part_scales):
         mine = bound_local_rows(part, weight)
@@ -254,7 +252,7 @@ def _dequantize(dit: Any, binding: DequantizedBinding, bindings: Sequence[RowBin
     ``FuseStats`` or None, bytes read)."""
     from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows, max_over
     from vllm_diffusion_plugin.engine.quant_shards import shard_group
-    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows, fuse_bound_rows, read_bound_rows
+    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows, read_bound_rows
 
     target = targets[binding.target]
     mine = bound_local_rows(binding, target)
@@ -272,11 +270,8 @@ def _dequantize(dit: Any, binding: DequantizedBinding, bindings: Sequence[RowBin
     per_file = per_module.pop(name, None)
     if per_file is not None:
         delta = torch.zeros(q.shape, dtype=torch.float32)
-        biases = [b for b in bindings if b.key == f"{name}.bias"]
-        total = fuse_bound_rows({"d": delta, **{b.target: targets[b.target] for b in biases}},
-                                [RowBinding(binding.key, "d", key_start=key_row, rows=count), *biases], per_file,
-                                modules=dit.fuser.modules, chunk_mb=dit.fuser.chunk_mb,
-                                check_finite=dit.fuser.check_finite, host_weights=dit.fuser.host_weights)
+        total = _sum_deltas({"d": delta}, RowBinding(binding.key, "d", key_start=key_row, rows=count), bindings,
+                            targets, per_file, dit.fuser)
         group = shard_group(target) if per_tensor else None
         q, new_scale = fuse_fp8_rows(q, scale if per_tensor else scale.reshape(-1, 1), delta, per_tensor=per_tensor,
                                      agree=max_over(group) if group is not None else None)
