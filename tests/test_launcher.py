@@ -38,3 +38,42 @@ def test_a_rank_killed_mid_collective_is_named_with_its_signal_before_the_echo(t
     assert message.startswith("rank 1 died of SIGKILL (out of memory or killed from outside)"), message
     assert "\n" not in message
     assert time.monotonic() - started < 120  # generous: both ranks gone, the launcher back
+
+
+
+def _to_the_end(rank: int, world_size: int, workdir) -> None:
+    time.sleep(3.0)
+    (workdir / f"done-rank{rank}").touch()
+
+
+@pytest.mark.multiproc
+def test_a_ctrl_c_while_the_ranks_are_spawned_stops_them_even_when_another_thread_takes_it(tmp_path, monkeypatch):
+    """A SIGINT to the launcher while it spawns its ranks, taken by a thread other than the spawning one (torch
+    starts one at import; here a plain thread, which has SIGINT unblocked): the launcher stops the ranks and raises
+    KeyboardInterrupt. Before: the signal was discarded (the handler was SIG_IGN for the window and only the
+    spawning thread blocked it) and the load ran to its end -- the CLI exited 0 after a Ctrl-C (seen in a full run
+    of the suite beside another)."""
+    import contextlib
+    import threading
+
+    from vllm_diffusion_plugin.doors import launcher
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)  # started before the window: SIGINT unblocked there
+    other.start()
+    real = launcher._temporary_files_in
+
+    @contextlib.contextmanager
+    def interrupted_while_spawning(folder):
+        with real(folder):
+            if folder.name == "tmp-rank1":
+                os.kill(os.getpid(), signal.SIGINT)  # process-directed: the kernel picks a thread not blocking it
+            yield
+
+    monkeypatch.setattr(launcher, "_temporary_files_in", interrupted_while_spawning)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_ranks(_to_the_end, world_size=2, workdir=tmp_path)
+    finally:
+        stop.set()
+    assert sorted(p.name for p in tmp_path.glob("done-rank*")) == []  # stopped, not run to their end

@@ -70,11 +70,14 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
     succeeded, raise ``RankError`` when one failed (after stopping the others)."""
     ctx = multiprocessing.get_context("spawn")
     procs: list = []
-    # A Ctrl-C while the ranks are spawned is held (blocked, so Linux keeps it pending though the handler is
-    # SIG_IGN, which the ranks inherit to ignore SIGINT), then raised once the launcher can stop them: a SIGINT in
-    # that window was lost and the load ran to its end.
+    # A Ctrl-C while the ranks are spawned is held, then raised once the launcher can stop them (a SIGINT in that
+    # window was lost and the load ran to its end). Held twice over: blocked in this thread, which the ranks inherit
+    # through exec (they start with SIGINT blocked and ignore it from _rank_entry on), and recorded by a handler,
+    # for a SIGINT the kernel hands to another thread of this process (torch starts one at import) -- where it was
+    # discarded while the handler was SIG_IGN.
+    held: list[int] = []
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         for rank in range(world_size):
             proc = ctx.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
@@ -88,7 +91,9 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a held Ctrl-C is raised here; the ranks stopped below
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C pending here is raised; the ranks stopped below
+        if held:
+            signal.raise_signal(signal.SIGINT)  # to the handler that was in place (KeyboardInterrupt by default)
         _wait(procs, workdir)
     finally:
         stop(procs)
@@ -200,7 +205,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _rank_entry(target, rank: int, world_size: int, workdir: Path, args: tuple, verbose: bool, parent: int) -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inherited blocked; ignored (SIG_IGN) from here
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # before unblocking: a Ctrl-C held since the start is dropped
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inherited blocked (the launcher's spawn window)
     _die_with_parent(parent)
     try:
         target(rank, world_size, workdir, *args)
