@@ -25,7 +25,7 @@ start=$(date +%s)
 set +e
 VLLM_DIFFUSION_SERVE_PROOF=1 VLLM_DIFFUSION_SERVE_PROOF_DIR="$WORK" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
     timeout --kill-after=60 "$TIMEOUT" "$PYTHON" -m pytest tests/serve -m serve -p no:cacheprovider -rA -s \
-    -W "ignore::DeprecationWarning" --junitxml="$WORK/junit.xml" "$@"
+    -W "ignore::DeprecationWarning" --durations=15 --junitxml="$WORK/junit.xml" "$@"
 status=$?
 set -e
 
