@@ -45,9 +45,11 @@ def _pgid(pid: int) -> int | None:
 
 
 def _servers_of(folder: Path) -> list[int]:
-    """PIDs of ``vllm serve`` processes serving a pipeline under ``folder``."""
+    """PIDs of ``vllm serve`` processes serving a pipeline under ``folder`` -- ``serve`` an argument of its own: the
+    demo's command (``demo --serve --keep FOLDER``) matched too, and the interrupt test then signalled the demo while
+    it was still importing, before any server existed (seen on a busy host)."""
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-            and "serve" in _cmdline(int(p.name)) and str(folder) in _cmdline(int(p.name))]
+            and "serve" in _cmdline(int(p.name)).split() and str(folder) in _cmdline(int(p.name))]
 
 
 def _alive_in_group(pgid: int) -> list[int]:

@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     level = ours.level
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # before the work (the imports take seconds) or after it: the work handles its own
+        print("vllm-diffusion: interrupted (SIGINT)", file=sys.stderr)
+        return 130
     finally:
         ours.setLevel(level)
 
