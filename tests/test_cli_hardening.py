@@ -290,7 +290,6 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_writes_nothing(tiny_wan_d
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-
 def test_a_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(tiny_wan_dir, tmp_path):
     """SIGINT a second into the command: it is still importing (torch, vLLM, diffusers: seconds), before any rank or
     server exists. Before: a KeyboardInterrupt traceback from inside an import and exit 1 -- what a `demo --serve`
@@ -305,6 +304,7 @@ def test_a_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(tiny_wan_dir
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == "vllm-diffusion: interrupted (SIGINT)", err[-3000:]
     assert not out.exists()
+
 
 # ---- 7. noise and help --------------------------------------------------------------------------------
 def test_help_describes_every_flag_and_shows_its_default():

@@ -40,7 +40,6 @@ def test_a_rank_killed_mid_collective_is_named_with_its_signal_before_the_echo(t
     assert time.monotonic() - started < 120  # generous: both ranks gone, the launcher back
 
 
-
 def _to_the_end(rank: int, world_size: int, workdir) -> None:
     time.sleep(3.0)
     (workdir / f"done-rank{rank}").touch()
