@@ -258,7 +258,7 @@ def planned(pipeline: Path, loras: list[Path], size: int, *, fp8: bool = False) 
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
     from vllm_diffusion_plugin.engine.plan import plan_load
 
     quantization = None

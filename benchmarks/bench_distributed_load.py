@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_component
 
     folder = ensure_checkpoint(args.out_dir, args.size_gb)
     source = resolve_component(folder)

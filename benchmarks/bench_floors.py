@@ -140,7 +140,8 @@ def read_rows(path: Path, device: torch.device) -> dict:
 def staging_row(path: Path, device: torch.device, threads: int = 8) -> dict:
     """GB/s of the warm file through our staging ring into device memory."""
     from vllm_diffusion_plugin.engine import platform
-    from vllm_diffusion_plugin.engine.reader import DeviceStaging, StagedCopy, pread_into
+    from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, StagedCopy
+    from vllm_diffusion_plugin.engine.io.pagein import pread_into
 
     size = path.stat().st_size
     staging = DeviceStaging.open(device, threads=threads)

@@ -63,7 +63,7 @@ def _config(num_layers: int, base: dict) -> dict:
 
 
 def _meta_bytes(num_layers: int, base: dict) -> int:
-    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     src = ComponentSource(name="probe", folder=Path("."), files=(), format="safetensors", index=None,
@@ -73,8 +73,9 @@ def _meta_bytes(num_layers: int, base: dict) -> int:
 
 def ensure_checkpoint(out_dir: Path, size_gb: float, base: dict = WIDE_CONFIG) -> Path:
     """The cached component folder for ``size_gb`` (generated on first use)."""
-    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
-    from vllm_diffusion_plugin.engine.skeleton import build_component, save_component
+    from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.skeleton import build_component
+    from vllm_diffusion_plugin.engine.save import save_component
 
     first, per_layer = _meta_bytes(1, base), _meta_bytes(2, base) - _meta_bytes(1, base)
     num_layers = max(1, math.ceil((size_gb * 1e9 - (first - per_layer)) / per_layer))
@@ -158,7 +159,7 @@ def fresh_child(variant: str, folder: Path) -> float:
     import diffusers
     from safetensors.torch import load_file
 
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_component
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 
@@ -213,8 +214,8 @@ def main(argv=None) -> dict:
 
     import diffusers
 
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
-    from vllm_diffusion_plugin.engine.reader import DeviceStaging
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.io.staging import DeviceStaging
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 

@@ -37,7 +37,7 @@ DEFAULT_THREADS = (1, 4)
 def read_ours(path: Path, threads: int) -> None:
     """As the CLI's ``full`` load: the skeleton, the weights mapped into it (``load_into_module(map_private=True)``),
     then every page touched, as for diffusers."""
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.engine.weights import load_into_module
 

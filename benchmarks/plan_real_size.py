@@ -76,7 +76,7 @@ def _log(msg: str) -> None:
 
 
 def _dtype_names() -> dict[torch.dtype, str]:
-    from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_DTYPES
+    from vllm_diffusion_plugin.engine.io.headers import SAFETENSORS_DTYPES
 
     return {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -147,7 +147,7 @@ def component_config(class_name: str, config: dict) -> dict:
 
 def meta_module(name: str, config: dict, *, dtype: torch.dtype = DTYPE) -> torch.nn.Module:
     """The component built on ``meta`` by the project's own ``build_component`` (CheckpointError if it cannot)."""
-    from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+    from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     source = ComponentSource(name=name, folder=Path(name), files=(), format="safetensors", index=None,
@@ -252,7 +252,7 @@ def write_pipeline(root: Path, *, transformer: dict = WAN_A14B, vae: dict | None
 def run_plans(manifest: dict, sizes: list[int]) -> list[dict]:
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
     from vllm_diffusion_plugin.engine.plan import plan_load
 
     components = list(manifest["components"])

@@ -10,13 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from vllm_diffusion_plugin.engine.checkpoint import (
-    CheckpointError,
-    ComponentSource,
-    read_safetensors_header,
-    resolve_checkpoint,
-    resolve_component,
-)
+from vllm_diffusion_plugin.engine.errors import CheckpointError
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.io.headers import read_safetensors_header
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
@@ -258,13 +254,13 @@ def test_uncached_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
     (None, None, False),
 ])
 def test_dit_is_decided_by_the_class_not_the_folder_name(library, class_name, expected):
-    from vllm_diffusion_plugin.engine.checkpoint import is_dit_class
+    from vllm_diffusion_plugin.engine.io.checkpoint import is_dit_class
 
     assert is_dit_class(library, class_name) is expected
 
 
 def test_is_transformer_reads_the_component_class(tiny_wan_dir, tmp_path):
-    from vllm_diffusion_plugin.engine.checkpoint import is_transformer
+    from vllm_diffusion_plugin.engine.io.checkpoint import is_transformer
 
     renamed = tmp_path / "my-model"
     shutil.copytree(tiny_wan_dir / "transformer", renamed)

@@ -96,8 +96,9 @@ def test_load_two_ranks_hsdp_gathers_what_one_rank_loads(tiny_wan_dir, tmp_path)
 ])
 def test_bad_input_is_one_clear_line_before_any_rank_starts(tiny_wan_dir, args, message, capsys, monkeypatch):
     from vllm_diffusion_plugin.doors import cli
+    from vllm_diffusion_plugin.doors.cli import load as cli_load
 
-    monkeypatch.setattr(cli, "_rank_main", lambda *a, **k: pytest.fail("a rank started despite bad input"))
+    monkeypatch.setattr(cli_load, "rank_main", lambda *a, **k: pytest.fail("a rank started despite bad input"))
     assert cli.main(["load", str(tiny_wan_dir), "--device", "cpu", *args]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err

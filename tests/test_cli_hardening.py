@@ -51,7 +51,7 @@ def keep_vllm_logging(monkeypatch):
 @pytest.fixture
 def no_base_read(monkeypatch):
     """Fail the test if any base weight is read (the error must come before)."""
-    from vllm_diffusion_plugin.engine import weights
+    from vllm_diffusion_plugin.engine.io import stream as weights
 
     def read(*args, **kwargs):
         raise AssertionError("a base weight was read before the bad input was reported")
@@ -81,7 +81,7 @@ def test_bare_dit_folder_is_sharded_under_two_ranks(tiny_wan_dir, tmp_path):
 
 
 def test_lora_without_any_dit_loaded_is_an_error(tiny_wan_dir, tmp_path, capsys):
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
 
     with pytest.raises(ValueError, match="no DiT"):
         assign_loras([LoraSpec(tmp_path)], [])
@@ -93,7 +93,7 @@ def test_lora_without_any_dit_loaded_is_an_error(tiny_wan_dir, tmp_path, capsys)
     ("transformer=LORA@", "the scale '' after '@' is not a number"),
 ])
 def test_a_malformed_lora_spec_is_an_error_naming_it(tmp_path, text, match):
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
 
     lora = tmp_path / "distill.safetensors"
     lora.write_bytes(b"")
@@ -102,7 +102,7 @@ def test_a_malformed_lora_spec_is_an_error_naming_it(tmp_path, text, match):
 
 
 def test_an_at_sign_in_a_lora_file_name_stays_in_the_path(tmp_path):
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
 
     lora = tmp_path / "wan@lightx2v.safetensors"
     lora.write_bytes(b"")
@@ -138,8 +138,8 @@ def test_zero_targets_in_the_vllm_door_fusion_and_lora_strict_false(tmp_path, ca
 
 def test_zero_targets_in_the_vllm_omni_door_fusion(tiny_wan_dir, tmp_path):
     """The vllm-omni door validates its LoRA files through the same rule before any base weight is read."""
-    from vllm_diffusion_plugin.doors.omni.load_path import lora_fuser
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.fused_stream import lora_fuser
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.lora import NoLoraTargetsError
 
     (source,) = resolve_checkpoint(tiny_wan_dir, components=["transformer"])
@@ -244,7 +244,7 @@ def test_save_fused_from_a_pipeline_writes_a_loadable_pipeline(wan_with_schedule
 
 
 def test_a_failed_save_leaves_nothing_half_written(wan_with_scheduler, tmp_path, monkeypatch, capsys):
-    from vllm_diffusion_plugin.engine import skeleton
+    from vllm_diffusion_plugin.engine import save as skeleton
 
     real, calls = skeleton.save_component, []
 
@@ -321,7 +321,8 @@ def test_help_describes_every_flag_and_shows_its_default():
 
 
 def test_pickle_refusal_names_the_switch_of_each_door(tiny_checkpoint_factory, capsys):
-    from vllm_diffusion_plugin.engine.checkpoint import PickleRefusedError, resolve_checkpoint
+    from vllm_diffusion_plugin.engine.errors import PickleRefusedError
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
 
     root = tiny_checkpoint_factory("flux", safe_serialization=False)
     assert cli.main(["load", str(root), *LOAD]) == 1
@@ -341,8 +342,8 @@ def test_a_missing_relative_path_is_a_missing_folder_not_a_hub_lookup(tmp_path, 
 
 
 def test_tiny_models_print_sizes_in_human_units(tiny_wan_dir):
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.engine.report import human_count
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.memory import human_count
     from vllm_diffusion_plugin.engine.skeleton import build_component
     from vllm_diffusion_plugin.testing.logs import captured_logs
 
@@ -374,7 +375,7 @@ def test_third_party_noise_and_our_info_lines_are_hidden_unless_verbose(tiny_wan
 
 
 def test_without_verbose_our_warnings_still_show():
-    script = ("from vllm_diffusion_plugin.doors.noise import quiet_third_party\n"
+    script = ("from vllm_diffusion_plugin.doors.cli.noise import quiet_third_party\n"
               "from vllm_diffusion_plugin._logging import init_logger\n"
               "quiet_third_party(verbose=False)\n"
               "log = init_logger('vllm_diffusion_plugin.engine.weights')\n"
@@ -427,7 +428,9 @@ class _Terminal:
 @pytest.mark.parametrize("progress", [True, False])
 def test_progress_bars_for_reading_fusing_and_saving_on_a_terminal(tiny_wan_dir, tmp_path, monkeypatch, progress):
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, save_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
+    from vllm_diffusion_plugin.engine.save import save_components
 
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)

@@ -11,9 +11,10 @@ import hashlib
 import torch
 from safetensors.torch import load_file
 
-from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint, resolve_component
 from vllm_diffusion_plugin.engine.config import LoadOptions
-from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+from vllm_diffusion_plugin.engine.session import load_components
 from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 from vllm_diffusion_plugin.engine.weights import load_into_module

@@ -88,7 +88,7 @@ def inputs() -> dict:
 
 def forbid_weight_reads(monkeypatch_like=None) -> None:
     """Make every weight reader raise: a strategy check that runs after a read shows up as this error."""
-    from vllm_diffusion_plugin.engine import weights
+    from vllm_diffusion_plugin.engine.io import stream as weights
     from vllm_diffusion_plugin.engine.strategies import rank_local
 
     def refuse(*args, **kwargs):
@@ -107,8 +107,10 @@ def load_once(strategy: str, dtype: torch.dtype, checkpoint: str, lora: str | No
     from torch.distributed.tensor import DTensor
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, gather_full_state_dict
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.save import gather_full_state_dict
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
 
     loaded = load_components(checkpoint, options=LoadOptions(hsdp_weight_load=strategy), device=torch.device("cpu"),
                              dtype=dtype, hsdp=HSDPConfig(replicate_size=replicate),
@@ -142,7 +144,7 @@ def scenarios_worker(rank: int, world_size: int, replicate: int, checkpoint: str
         results["uncovered"] = uncovered_tensor_is_named(checkpoint)
         # rank_local without HSDP on a multi-rank world: an error before any read, on every rank
         from vllm_diffusion_plugin.engine.config import LoadOptions
-        from vllm_diffusion_plugin.engine.pipeline import load_components
+        from vllm_diffusion_plugin.engine.session import load_components
         from vllm_diffusion_plugin.engine.strategies import StrategyError
 
         forbid_weight_reads()
@@ -158,7 +160,7 @@ def scenarios_worker(rank: int, world_size: int, replicate: int, checkpoint: str
 def uncovered_tensor_is_named(checkpoint: str) -> str:
     """A rank-local read that leaves a tensor out must fail naming it (the reader is made to skip one key)."""
     from vllm_diffusion_plugin.engine.strategies import rank_local
-    from vllm_diffusion_plugin.engine.weights import WeightLoadError
+    from vllm_diffusion_plugin.engine.errors import WeightLoadError
 
     real = rank_local._read_local_rows
 
@@ -178,7 +180,7 @@ def uncovered_tensor_is_named(checkpoint: str) -> str:
 
 def small_buckets(rank: int, checkpoint: str, lora: str) -> dict:
     """The broadcast with 3000-byte buckets (tensors span several), LoRA fused on rank 0: the received module."""
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.report import LoadReport
     from vllm_diffusion_plugin.engine.strategies import LoadContext
@@ -293,7 +295,7 @@ def victim_worker(rank: int, world_size: int, checkpoint: str, victim: int, mode
     Every other rank writes what happened (error type, message, seconds) to ``out_dir/rank<N>.json``."""
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.report import LoadReport
     from vllm_diffusion_plugin.engine.strategies import LoadContext
@@ -374,7 +376,7 @@ def test_sender_stalled_mid_broadcast_receivers_raise_at_the_timeout(uneven, tmp
 
 # ---- configuration -----------------------------------------------------------------------------------------
 def test_bucket_plan_is_single_dtype_bounded_and_covers_every_element_once():
-    from vllm_diffusion_plugin.engine.strategies.broadcast import plan_buckets, plan_digest
+    from vllm_diffusion_plugin.engine.strategies.buckets import plan_buckets, plan_digest
 
     entries = [("a", 10, torch.float32), ("b", 3, torch.bfloat16), ("c", 25, torch.float32), ("d", 1, torch.float32),
                ("e", 7, torch.bfloat16), ("f", 0, torch.float32)]
@@ -425,7 +427,7 @@ def test_strategy_from_env_and_extra_config(monkeypatch):
 
 def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch):
     from vllm_diffusion_plugin.engine import skeleton
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
 
     sources = resolve_checkpoint(tiny_wan_dir)
@@ -453,7 +455,7 @@ def test_check_strategy_rules(tiny_wan_dir, tiny_checkpoint_factory, monkeypatch
 
 def test_bad_combination_fails_before_any_read(tiny_checkpoint_factory, monkeypatch):
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.strategies import StrategyError
 
     forbid_weight_reads(monkeypatch)
@@ -465,8 +467,9 @@ def test_bad_combination_fails_before_any_read(tiny_checkpoint_factory, monkeypa
 
 def test_cli_rejects_bad_combination_before_any_rank_starts(tiny_checkpoint_factory, monkeypatch, capsys):
     from vllm_diffusion_plugin.doors import cli
+    from vllm_diffusion_plugin.doors.cli import load as cli_load
 
-    monkeypatch.setattr(cli, "_rank_main", lambda args: pytest.fail("a rank started despite bad input"))
+    monkeypatch.setattr(cli_load, "rank_main", lambda args: pytest.fail("a rank started despite bad input"))
     pickled = tiny_checkpoint_factory("wan", safe_serialization=False)
     assert cli.main(["load", str(pickled), "--allow-pickle", "--nproc", "2", "--device", "cpu",
                      "--hsdp-weight-load", "rank_local"]) == 1
@@ -490,7 +493,8 @@ def test_shard_local_fusion_takes_the_accelerator_for_host_rows_and_moves_only_t
 
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
     from vllm_diffusion_plugin.engine.lora import load_lora, normalize_lora
-    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_local_rows, local_rows
+    from vllm_diffusion_plugin.engine.lora.rows import fuse_local_rows
+    from vllm_diffusion_plugin.engine.io.rows import local_rows
     from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
     model = build_tiny_model("wan")

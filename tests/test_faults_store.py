@@ -115,9 +115,9 @@ def test_an_io_error_is_named_with_the_file_and_offset(tiny_wan_dir, tmp_path, s
 
 NO_POPULATE = """
 import ctypes, errno, sys
-from vllm_diffusion_plugin.engine import pagein
-from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
-from vllm_diffusion_plugin.engine.weights import iterate_weights
+from vllm_diffusion_plugin.engine.io import pagein
+from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
+from vllm_diffusion_plugin.engine.io.stream import iterate_weights
 
 
 def no_populate(address, length):  # a kernel before 5.14: madvise(MADV_POPULATE_READ) is EINVAL
@@ -164,8 +164,9 @@ def test_opening_a_shard_whose_read_stalls_is_bounded_and_named(tiny_wan_dir, tm
     ``read_timeout_s`` and named; seen hanging on the code before."""
     import threading
 
-    from vllm_diffusion_plugin.engine import file_reads, reader
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_component
+    from vllm_diffusion_plugin.engine.io import stream as file_reads
+    from vllm_diffusion_plugin.engine.io import threads as reader
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_component
 
     shard = _shard(tiny_wan_dir)
     with faulty_store(tiny_wan_dir, tmp_path, shard, mode="stall") as (checkpoint, fault):

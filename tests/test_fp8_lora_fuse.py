@@ -52,8 +52,8 @@ def _delta(f, name: str, rows: slice | None = None) -> torch.Tensor:
 def rank_rows(rank: int, world_size: int, path: str) -> dict:
     from safetensors import safe_open
 
-    from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows, max_over
-    from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
+    from vllm_diffusion_plugin.engine.quant.fp8 import fuse_fp8_rows, max_over
+    from vllm_diffusion_plugin.engine.io.rows import shard_rows
 
     start, stop = shard_rows(ROWS, size=world_size, index=rank)
     out = {"rows": (start, stop)}
@@ -71,7 +71,7 @@ def rank_rows(rank: int, world_size: int, path: str) -> dict:
 def whole_reference(path: str) -> dict:
     from safetensors import safe_open
 
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fuse_fp8_rows
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fuse_fp8_rows
 
     out = {}
     with safe_open(path, "pt") as f:
@@ -99,7 +99,7 @@ def test_rank_rows_fused_exactly_equal_the_whole_tensor_fused_in_one_process(fp8
 
 
 def test_whole_fusion_is_within_one_fp8_step_of_the_exact_sum_and_rescales(fp8_file):
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fp8_step
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fp8_step
 
     for name, ref in whole_reference(fp8_file).items():
         fused = dequantize(ref["new_q"], ref["new_scale"]).double()
@@ -115,7 +115,7 @@ def test_whole_fusion_is_within_one_fp8_step_of_the_exact_sum_and_rescales(fp8_f
 def test_vllm_omnis_own_fusion_on_the_same_file(fp8_file):
     """``params.add_(delta.to(params.dtype))`` (vllm-omni ``diffusion/lora/loader.py``): on the CPU torch has no
     FP8 ``add_``; computed where it exists, the delta lands in storage units with no scale and mostly vanishes."""
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, storage_unit_add
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, storage_unit_add
 
     for name, ref in whole_reference(fp8_file).items():
         params = ref["q"].clone()
@@ -139,7 +139,7 @@ def test_vllm_omnis_own_fusion_on_the_same_file(fp8_file):
 def test_row_chunks_change_no_bit(fp8_file, monkeypatch):
     """``fuse_fp8_rows`` runs over row chunks (``CHUNK_ELEMENTS``) to bound its fp32 temporaries: chunks of one and
     of seven rows give the bits of one whole chunk, per tensor and per channel."""
-    from vllm_diffusion_plugin.engine import quant_fuse
+    from vllm_diffusion_plugin.engine.quant import fp8 as quant_fuse
 
     whole = whole_reference(fp8_file)
     for elements in (COLS, 7 * COLS):

@@ -43,7 +43,8 @@ def two_loras(request, tmp_path_factory) -> tuple[str, list[tuple[str, float]]]:
 def two_lora_worker(rank: int, world_size: int, root: str, files: list[tuple[str, float]]) -> dict:
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.strategies import broadcast
 
     broadcast.open_channel = lambda options, device: broadcast.BroadcastChannel(  # many small buckets
@@ -63,7 +64,7 @@ def one_requantization(root: Path, files: list[tuple[str, float]]) -> dict[str, 
     once (``fuse_fp8_rows``, no agreement: one process holds the whole tensor)."""
     from safetensors.torch import load_file
 
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fuse_fp8_rows
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fuse_fp8_rows
 
     factors = [(load_file(path), scale) for path, scale in files]
     out = {}
@@ -91,7 +92,7 @@ def one_requantization(root: Path, files: list[tuple[str, float]]) -> dict[str, 
 
 @pytest.mark.multiproc
 def test_two_lora_files_into_fp8_layers_are_one_requantization(two_loras):
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fp8_step
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fp8_step
 
     root, files = two_loras
     reference = one_requantization(Path(root), files)

@@ -223,7 +223,7 @@ def test_fsdp2_refuses_what_apply_hsdp_handles():
 
 
 def test_scalar_and_integer_params_replicated_noncontiguous_made_contiguous(fake_accelerator):
-    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+    from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 
     torch.manual_seed(0)
     model = Net(with_fp8=True)

@@ -59,7 +59,8 @@ def hsdp_worker(rank: int, world_size: int, shape: tuple[int, int], checkpoints:
     import diffusers
     from torch.distributed.tensor import DTensor
 
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh, gather_full_state_dict
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
+    from vllm_diffusion_plugin.engine.save import gather_full_state_dict
 
     config = HSDPConfig(replicate_size=shape[0])
     mesh = build_mesh(config, device_type="cpu")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from vllm_diffusion_plugin.doors.launcher import RankError, run_ranks
+from vllm_diffusion_plugin.doors.cli.launcher import RankError, run_ranks
 
 
 def _killed_in_a_collective(rank: int, world_size: int, workdir) -> None:
@@ -55,7 +55,7 @@ def test_a_ctrl_c_while_the_ranks_are_spawned_stops_them_even_when_another_threa
     import contextlib
     import threading
 
-    from vllm_diffusion_plugin.doors import launcher
+    from vllm_diffusion_plugin.doors.cli import launcher
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)  # started before the window: SIGINT unblocked there

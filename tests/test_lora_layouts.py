@@ -75,7 +75,8 @@ def diffusers_fused(family: str, checkpoint, lora) -> dict[str, torch.Tensor]:
 
 def ours_fused(checkpoint, lora) -> dict[str, torch.Tensor]:
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
 
     loaded = load_components(checkpoint, options=LoadOptions(), components=["transformer"],
                              device=torch.device("cpu"), dtype=torch.float32, lora_specs=[LoraSpec(lora, SCALE)])

@@ -124,7 +124,8 @@ def test_factors_stay_factored_until_fusion_and_row_slices_are_exact(tmp_path):
 def test_rank_local_rows_fuse_their_slice_of_the_factored_delta():
     """``fuse_bound_rows`` (rank_local, also vllm-omni's stacked q/k/v): a target holding rows 40:70 of one
     checkpoint tensor and all rows of another gets exactly those rows of each LoKr delta."""
-    from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding, fuse_bound_rows
+    from vllm_diffusion_plugin.engine.io.rows import RowBinding
+    from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows
 
     base, peft_model, merged = peft_merged("lokr", dict(r=2, alpha=3, decompose_both=True))
     deltas = normalize_lora(lycoris_state_dict(peft_model), base)

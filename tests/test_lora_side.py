@@ -90,7 +90,8 @@ def test_a_bad_preference_is_refused():
 
 def test_the_load_report_says_which_side_ran_and_why(tiny_wan_dir, tmp_path, fake_accelerator):
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
     lora = write_tiny_lora(tmp_path / "lora.safetensors", build_tiny_model("wan"))

@@ -114,7 +114,7 @@ def forward_worker(rank: int, world_size: int, dit: str) -> dict:
     reset to the RSS right before it) against what the plan says the first run adds above the held shards."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
 
     def status(key: str) -> int:
@@ -293,7 +293,8 @@ def test_plan_device_peak_within_15_percent_of_the_fake_accelerators(wide_dit, f
     """A load onto an accelerator (the fake one, which counts its live bytes) with a LoRA fused there: the most
     it held at once against the plan's device peak, within 15%."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
 
     dit, lora = wide_dit

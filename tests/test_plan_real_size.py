@@ -30,7 +30,7 @@ def small(tmp_path_factory) -> dict:
 
 
 def test_the_sparse_folder_resolves_with_every_tensor_of_the_skeleton(small):
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
 
     sources = resolve_checkpoint(small["pipeline"])
     assert [s.name for s in sources] == ["transformer", "transformer_2"]
@@ -48,7 +48,7 @@ def test_the_sparse_folder_resolves_with_every_tensor_of_the_skeleton(small):
 
 
 def test_plan_over_the_sparse_folder_reads_what_the_headers_say(small):
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
 
     whole = sum(s.total_bytes for s in resolve_checkpoint(small["pipeline"]))
     (one, two) = real.run_plans(small, [1, 2])

@@ -116,7 +116,7 @@ def dtensor_snapshot(model: nn.Module) -> dict[str, tuple]:
 
 
 def test_seed_a_naive_per_parameter_move_breaks_on_sharded_dtensors(fake_accelerator):
-    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+    from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 
     with fake_mesh((1, 2)) as mesh:
         model = sharded_model_on(fake_accelerator.device, mesh)
@@ -127,7 +127,7 @@ def test_seed_a_naive_per_parameter_move_breaks_on_sharded_dtensors(fake_acceler
 def test_seed_a_sharded_model_is_processed_and_dtensors_kept(fake_accelerator):
     from torch.distributed.tensor import DTensor
 
-    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+    from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 
     with fake_mesh((1, 2)) as mesh:
         model = sharded_model_on(fake_accelerator.device, mesh)
@@ -192,7 +192,7 @@ class ReplacingMethod(RecordingScaleMethod):
 
 
 def test_replacing_a_sharded_parameter_with_a_plain_one_is_named(fake_accelerator):
-    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+    from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 
     with fake_mesh((1, 2)) as mesh:
         model = sharded_model_on(fake_accelerator.device, mesh)

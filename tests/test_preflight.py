@@ -32,7 +32,7 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_v1_the_tightest_level_of_the_hierarchy_less_its_inactive_file_pages(tmp_path):
-    from vllm_diffusion_plugin.engine import preflight
+    from vllm_diffusion_plugin.engine import memory as preflight
 
     root = _tree(tmp_path, {
         "proc/meminfo": "MemTotal: 33554432 kB\nMemAvailable: 10485760 kB\n",
@@ -54,8 +54,8 @@ def test_v1_the_tightest_level_of_the_hierarchy_less_its_inactive_file_pages(tmp
 
 
 def test_v2_max_is_no_limit_and_a_parent_limit_counts(tmp_path):
-    from vllm_diffusion_plugin.engine import preflight
-    from vllm_diffusion_plugin.engine.preflight import HostMemory
+    from vllm_diffusion_plugin.engine import memory as preflight
+    from vllm_diffusion_plugin.engine.memory import HostMemory
 
     root = _tree(tmp_path, {
         "proc/meminfo": "MemAvailable: 10485760 kB\n",
@@ -76,7 +76,7 @@ def test_v2_max_is_no_limit_and_a_parent_limit_counts(tmp_path):
 
 
 def test_nothing_readable_is_no_figure(tmp_path):
-    from vllm_diffusion_plugin.engine import preflight
+    from vllm_diffusion_plugin.engine import memory as preflight
 
     assert preflight.host_available(tmp_path) is None
 
@@ -85,7 +85,7 @@ def test_a_real_memory_cgroup_is_the_figure_of_a_process_in_it():
     """This project's way to make a group (``bench_capacity.MemoryLimit``, root): a process inside a 1 GiB group
     reads at most 1 GiB available, and its group's path in the figure's source."""
     with memory_cgroup(GiB, "preflight-test") as (group, join):
-        code = ("from vllm_diffusion_plugin.engine.preflight import host_available as h; m = h(); "
+        code = ("from vllm_diffusion_plugin.engine.memory import host_available as h; m = h(); "
                 "print(m.available, m.source)")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                              preexec_fn=join, check=True).stdout.split(maxsplit=1)
@@ -149,7 +149,7 @@ def test_cli_warn_loads_anyway_and_refuse_is_one_line(tiny_wan_dir, capsys, monk
     to bf16: copies, not views of its files) saying that nothing fits; ``--preflight warn`` (or
     VLLM_DIFFUSION_PREFLIGHT=warn) logs the same words and loads; ``off`` plans nothing."""
     from vllm_diffusion_plugin.engine import preflight
-    from vllm_diffusion_plugin.engine.preflight import HostMemory
+    from vllm_diffusion_plugin.engine.memory import HostMemory
 
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
     monkeypatch.setattr(preflight, "host_available", lambda root=Path("/"): HostMemory(1000, "test"))

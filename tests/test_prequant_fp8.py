@@ -127,8 +127,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # ---- one process: the FP8 bytes as they are, forward equal to the dequantized model ---------------------------
 def test_one_process_reads_the_fp8_bytes_and_scales_as_they_are(fp8_pipeline):
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear
-    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.quant.layer import Fp8Linear
+    from vllm_diffusion_plugin.engine.session import load_components
 
     kind, fmt, root, _ = fp8_pipeline
     loaded = load_components(root, options=LoadOptions(), device=torch.device("cpu"), dtype=torch.bfloat16)
@@ -154,8 +154,8 @@ def test_the_fp8_layers_forward_is_the_dequantized_models(tmp_path):
     import diffusers
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import load_components
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize
+    from vllm_diffusion_plugin.engine.session import load_components
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8-per-channel")
     ours = load_components(root, options=LoadOptions(), components=["transformer"], device=torch.device("cpu"),
@@ -180,8 +180,9 @@ def test_modelopts_legacy_hf_quant_config_json_is_read(tmp_path):
     """ModelOpt's ``hf_quant_config.json`` (``producer`` + ``quantization.quant_algo``) instead of a
     ``quantization_config`` in config.json."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear
-    from vllm_diffusion_plugin.engine.pipeline import load_components, save_components
+    from vllm_diffusion_plugin.engine.quant.layer import Fp8Linear
+    from vllm_diffusion_plugin.engine.session import load_components
+    from vllm_diffusion_plugin.engine.save import save_components
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
     for component in ("transformer", "transformer_2"):
@@ -217,8 +218,8 @@ def test_what_stays_refused_is_refused_by_name_before_any_read(tmp_path, monkeyp
 
     from vllm_diffusion_plugin.engine import weights
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import load_components
-    from vllm_diffusion_plugin.engine.prequant import PreQuantError
+    from vllm_diffusion_plugin.engine.session import load_components
+    from vllm_diffusion_plugin.engine.errors import PreQuantError
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
     folder = root / "transformer"
@@ -242,7 +243,7 @@ def test_what_stays_refused_is_refused_by_name_before_any_read(tmp_path, monkeyp
 def local_params(modules) -> dict[str, tuple]:
     """Every parameter's local rows of ``modules`` (a rank's): ``name -> (rows, is FP8, start, stop)``, FP8 rows as
     bytes (torch cannot unpickle FP8 across the ranks' pipe)."""
-    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
+    from vllm_diffusion_plugin.engine.io.rows import local_rows
 
     params = {}
     for name, module in modules.items():
@@ -257,7 +258,8 @@ def local_params(modules) -> dict[str, tuple]:
 def strategies_worker(rank: int, world_size: int, root: str, lora: str, replicate: int = 1) -> dict:
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
     from vllm_diffusion_plugin.engine.strategies import broadcast
 
@@ -297,7 +299,7 @@ def whole_reference(root: Path, lora: str, kind: str) -> dict[str, tuple]:
     requantize (``quant_fuse.fuse_fp8_rows`` without any agreement); with the exact fp32 sum."""
     from safetensors.torch import load_file
 
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fuse_fp8_rows
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fuse_fp8_rows
     from vllm_diffusion_plugin.tiny.models import PIPELINES
 
     factors = load_file(lora)
@@ -321,7 +323,7 @@ def whole_reference(root: Path, lora: str, kind: str) -> dict[str, tuple]:
 
 @pytest.mark.multiproc
 def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fp8_step
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fp8_step
 
     kind, fmt, root, lora = fp8_pipeline
     results = run_distributed(strategies_worker, 2, args=(root, lora), timeout_s=500)
@@ -372,7 +374,7 @@ def test_two_ranks_every_strategy_reads_and_fuses_fp8_exactly(fp8_pipeline):
 def test_plan_counts_fp8_bytes_read_and_held(tmp_path):
     """One rank: the plan of an FP8 checkpoint reads and holds its FP8 bytes (1 byte per weight), not bf16's."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import load_components
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8")
@@ -399,7 +401,7 @@ def test_cli_rank_local_two_ranks_fuses_and_saves_an_fp8_checkpoint(tmp_path):
     import subprocess
     import sys
 
-    from vllm_diffusion_plugin.engine.quant_fuse import dequantize, fp8_step
+    from vllm_diffusion_plugin.engine.quant.fp8 import dequantize, fp8_step
 
     root = write_fp8_pipeline(tmp_path / "wan", "wan", "modelopt-fp8-per-channel")
     lora = write_lora(tmp_path / "lora.safetensors", "wan")

@@ -45,8 +45,9 @@ def quant_worker(rank: int, world_size: int, checkpoint: str, lora: str, dtype_n
 
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
-    from vllm_diffusion_plugin.engine.strategies.rank_local import local_rows
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
+    from vllm_diffusion_plugin.engine.io.rows import local_rows
     from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
 
     dtype = getattr(torch, dtype_name)
@@ -193,7 +194,8 @@ def _dit_on_meta(per_channel: bool | None):
 
 
 def test_a_method_without_the_row_protocol_is_refused_by_name_before_any_read():
-    from vllm_diffusion_plugin.engine.quant_shards import RowQuantError, find_layers
+    from vllm_diffusion_plugin.engine.errors import RowQuantError
+    from vllm_diffusion_plugin.engine.quant.online import find_layers
 
     with pytest.raises(RowQuantError, match=r"_NoRowsMethod \(layer blocks\.0\.attn1\.to_q\) does not declare how "
                                             r"\(scale_granularity, quantized_dtype, row_amax, quantize_rows, "
@@ -203,7 +205,7 @@ def test_a_method_without_the_row_protocol_is_refused_by_name_before_any_read():
 
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantized_layout_on_meta_is_row_major_fp8_with_its_scale(per_channel):
-    from vllm_diffusion_plugin.engine.quant_shards import find_layers, to_quantized_layout
+    from vllm_diffusion_plugin.engine.quant.online import find_layers, to_quantized_layout
 
     module = _dit_on_meta(per_channel)
     layers = find_layers(module)
@@ -224,7 +226,8 @@ def peak_worker(rank: int, world_size: int, dit: str, lora: str, per_channel: bo
     import vllm_diffusion_plugin.testing.online_quant as online_quant  # vLLM imported before the baseline
     from vllm_diffusion_plugin.engine.config import LoadOptions
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
     from vllm_diffusion_plugin.engine.plan import plan_load
 
     quantization = functools.partial(online_quant.attach_online_quant, per_channel=per_channel)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin.doors.omni.rank_local import TraceError, check_coverage, trace_bindings
-from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
-from vllm_diffusion_plugin.engine.weights import WeightLoadError
+from vllm_diffusion_plugin.engine.io.rows import RowBinding
+from vllm_diffusion_plugin.engine.errors import WeightLoadError
 
 ROWS, COLS = 4, 3
 KEYS = {"attn.to_q.weight": (ROWS, COLS), "attn.to_k.weight": (ROWS, COLS), "attn.to_v.weight": (ROWS, COLS),
@@ -122,8 +122,8 @@ def test_bound_rows_of_several_tensors_fill_one_stacked_target_exactly(tmp_path,
 
     from safetensors.torch import load_file
 
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.engine.strategies.rank_local import read_bound_rows
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.rows import read_bound_rows
     from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
     root = write_tiny_pipeline(tmp_path, "wan")

@@ -11,10 +11,12 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
-from vllm_diffusion_plugin.engine import reader
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, resolve_checkpoint
+from vllm_diffusion_plugin.engine.io import pagein
+from vllm_diffusion_plugin.engine.io import threads as reader
+from vllm_diffusion_plugin.engine.errors import CheckpointError
+from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
 from vllm_diffusion_plugin.engine.config import LoadOptions
-from vllm_diffusion_plugin.engine.weights import iterate_weights
+from vllm_diffusion_plugin.engine.io.stream import iterate_weights
 
 STRATEGIES = ("full", "broadcast", "rank_local")
 
@@ -132,7 +134,7 @@ def test_iterate_weights_faults_tensors_in_on_several_threads_same_bytes_same_or
     source = next(s for s in resolve_checkpoint(tiny_wan_dir) if s.name == "transformer")
     one = [(k, t.clone()) for k, t in iterate_weights(source, threads=1)]
     overlap = Overlap(0.005)
-    monkeypatch.setattr(reader, "fault_in", overlap)
+    monkeypatch.setattr(pagein, "fault_in", overlap)
     four = [(k, t.clone()) for k, t in iterate_weights(source, threads=4)]
     assert [k for k, _ in four] == [k for k, _ in one] == [k for f in source.files for k in source.keys_in(f)]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(four, one))
@@ -145,7 +147,7 @@ def test_a_corrupt_shard_read_on_a_thread_names_the_file(tiny_wan_dir, monkeypat
     def fault_in(tensor, *_where):
         raise RuntimeError("Bus error reading page")
 
-    monkeypatch.setattr(reader, "fault_in", fault_in)
+    monkeypatch.setattr(pagein, "fault_in", fault_in)
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model-0000\d-of-0000\d\.safetensors: error while "
                                               r"reading tensor .*Bus error"):
         list(iterate_weights(source, threads=4))
@@ -153,7 +155,7 @@ def test_a_corrupt_shard_read_on_a_thread_names_the_file(tiny_wan_dir, monkeypat
 
 
 def test_rank_local_row_reads_overlap(tiny_wan_dir, monkeypatch):
-    from vllm_diffusion_plugin.engine.strategies import rank_local
+    from vllm_diffusion_plugin.engine.io import rows as rank_local
 
     source = next(s for s in resolve_checkpoint(tiny_wan_dir) if s.name == "transformer")
     targets = {k: torch.empty(info.shape, dtype=info.dtype) for k, info in source.tensors.items()}
@@ -174,8 +176,10 @@ def test_rank_local_row_reads_overlap(tiny_wan_dir, monkeypatch):
 
 # ---- every strategy, 2 gloo ranks: 4 threads give the bytes of 1 ------------------------------------------------
 def threads_worker(rank: int, world_size: int, checkpoint: str, lora: str) -> dict:
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, gather_full_state_dict
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.save import gather_full_state_dict
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
 
     out = {}
     for strategy in STRATEGIES:

@@ -11,9 +11,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, resolve_checkpoint, resolve_component
-from vllm_diffusion_plugin.engine.skeleton import build_component, save_component
-from vllm_diffusion_plugin.engine.weights import iterate_weights, load_into_module
+from vllm_diffusion_plugin.engine.errors import CheckpointError
+from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.skeleton import build_component
+from vllm_diffusion_plugin.engine.save import save_component
+from vllm_diffusion_plugin.engine.io.stream import iterate_weights
+from vllm_diffusion_plugin.engine.weights import load_into_module
 
 CLASSES = {"wan": "WanTransformer3DModel", "flux": "FluxTransformer2DModel"}
 

@@ -10,8 +10,10 @@ import threading
 import pytest
 import torch
 
-from vllm_diffusion_plugin.engine import reader
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
+from vllm_diffusion_plugin.engine.io import pagein
+from vllm_diffusion_plugin.engine.io import staging as reader
+from vllm_diffusion_plugin.engine.io.threads import THREAD_NAME
+from vllm_diffusion_plugin.engine.errors import CheckpointError
 from vllm_diffusion_plugin.testing.logs import captured_logs
 
 MIB = 1 << 20
@@ -85,7 +87,7 @@ def test_a_dtype_cast_happens_after_the_copy_and_equals_a_plain_copy(fake_accele
 
 def test_no_pinned_memory_means_no_staging_and_one_log_line(fake_accelerator):
     reader._fallback_logged.clear()
-    with fake_accelerator.fail_pinned(), captured_logs("vllm_diffusion_plugin.engine.reader", logging.INFO) as logs:
+    with fake_accelerator.fail_pinned(), captured_logs("vllm_diffusion_plugin.engine.io.staging", logging.INFO) as logs:
         assert reader.DeviceStaging.open(fake_accelerator.device) is None
         assert reader.DeviceStaging.open(fake_accelerator.device) is None
     lines = logs.messages(logging.INFO)
@@ -117,7 +119,7 @@ def test_a_read_error_is_raised_in_order_and_no_copy_is_left_pending(fake_accele
     assert seen == ["a"]
     assert staging._stream.query()  # drained: every issued copy completed before the error left
     assert torch.equal(out[0].cpu(), tensors[0])
-    assert not [t for t in threading.enumerate() if t.name.startswith(reader.THREAD_NAME)]
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_NAME)]
 
 
 def test_a_non_contiguous_destination_is_refused_by_shape(fake_accelerator):
@@ -140,7 +142,8 @@ def test_a_full_load_with_a_lora_onto_an_accelerator_arrives_through_the_ring_bi
     asynchronously from pinned memory and the LoRA is fused there; equal, bit for bit, to today's path (built on
     the host, fused, moved)."""
     from vllm_diffusion_plugin.engine.config import LoadOptions
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.session import load_components
 
     from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
@@ -162,15 +165,12 @@ def test_a_full_load_with_a_lora_onto_an_accelerator_arrives_through_the_ring_bi
 def test_rank_local_rows_on_an_accelerator_come_through_the_ring_bit_identical(tiny_wan_dir, fake_accelerator):
     """This rank's rows (shard 0 of 2 on a fake mesh) pread into the ring and copied to the local shards equal the
     rows today's path reads (pageable buffer, blocking copy)."""
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
     from vllm_diffusion_plugin.engine.skeleton import build_component
-    from vllm_diffusion_plugin.engine.strategies.rank_local import (
-        identity_bindings,
-        materialize_local_shards,
-        read_bound_rows,
-    )
-    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+    from vllm_diffusion_plugin.engine.io.rows import identity_bindings, read_bound_rows
+    from vllm_diffusion_plugin.engine.strategies.rank_local import materialize_local_shards
+    from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 
     (source,) = resolve_checkpoint(tiny_wan_dir, components=["transformer"])
     got = {}
@@ -194,8 +194,8 @@ def test_rank_local_rows_on_an_accelerator_come_through_the_ring_bit_identical(t
 
 def test_weights_can_be_handed_out_on_the_accelerator_and_errors_name_the_file(tiny_wan_dir, fake_accelerator,
                                                                                 monkeypatch):
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
-    from vllm_diffusion_plugin.engine.weights import iterate_weights
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.stream import iterate_weights
 
     (source,) = resolve_checkpoint(tiny_wan_dir, components=["transformer"])
     staging = reader.DeviceStaging(fake_accelerator.device, max_bytes=2 * MIB, slots=2)
@@ -207,7 +207,7 @@ def test_weights_can_be_handed_out_on_the_accelerator_and_errors_name_the_file(t
     def failing_read(fd, offset, buffer, file):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(reader, "pread_into", failing_read)
+    monkeypatch.setattr(pagein, "pread_into", failing_read)
     with pytest.raises(CheckpointError, match=r"diffusion_pytorch_model.*error while reading tensor .*Input/output"):
         list(iterate_weights(source, staging=staging, threads=2))
 
@@ -220,7 +220,7 @@ def test_full_sharded_blocks_cross_through_the_ring_before_fsdp_shards_them(fake
     from torch.distributed.tensor import DTensor
 
     from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp
-    from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+    from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 
     def model() -> nn.Module:
         torch.manual_seed(0)
@@ -243,7 +243,8 @@ def test_full_sharded_blocks_cross_through_the_ring_before_fsdp_shards_them(fake
 def test_broadcast_buckets_on_an_accelerator_are_packed_through_the_ring(fake_accelerator):
     """``broadcast``'s rank 0 packs each bucket from its host module into the (device) bucket buffer: through the
     ring, the same bytes as the pageable copies."""
-    from vllm_diffusion_plugin.engine.strategies.broadcast import Bucket, Segment, pack_bucket
+    from vllm_diffusion_plugin.engine.strategies.broadcast import pack_bucket
+    from vllm_diffusion_plugin.engine.strategies.buckets import Bucket, Segment
 
     targets = {"a": sources(MIB)[0], "b": sources(3 * MIB + 5)[0]}
     bucket = Bucket(torch.bfloat16, MIB + 2 * MIB, (Segment("a", 0, MIB, 0), Segment("b", MIB, 2 * MIB, MIB)), 1)
@@ -263,7 +264,7 @@ def test_the_vllm_loader_fills_a_model_on_an_accelerator_through_the_ring(tiny_w
     from vllm.config.load import LoadConfig
 
     from vllm_diffusion_plugin.doors.vllm_loader import DiffusionHSDPLoader
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
+    from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint
     from vllm_diffusion_plugin.engine.skeleton import build_component
 
     folder = tiny_wan_dir / "transformer"

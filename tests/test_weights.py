@@ -13,14 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, resolve_checkpoint, resolve_component
-from vllm_diffusion_plugin.engine.weights import (
-    LoadStats,
-    WeightLoadError,
-    iterate_weights,
-    load_into_module,
-    strict_check_exemptions,
-)
+from vllm_diffusion_plugin.engine.errors import CheckpointError
+from vllm_diffusion_plugin.engine.io.checkpoint import resolve_checkpoint, resolve_component
+from vllm_diffusion_plugin.engine.io.stream import LoadStats, iterate_weights
+from vllm_diffusion_plugin.engine.errors import WeightLoadError
+from vllm_diffusion_plugin.engine.weights import load_into_module, strict_check_exemptions
 
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 
@@ -254,7 +251,7 @@ def test_strict_check_exemptions_follow_vllm():
 
 
 def test_progress_bar_only_on_rank_zero_terminals(tiny_flux_dir, monkeypatch):
-    from vllm_diffusion_plugin.engine import weights
+    from vllm_diffusion_plugin.engine.io import stream as weights
 
     [source] = resolve_checkpoint(tiny_flux_dir)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)

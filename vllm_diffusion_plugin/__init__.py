@@ -14,19 +14,19 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-LOAD_FORMAT = "diffusion-hsdp"
-"""The load format name (lowercase: vLLM lowercases ``LoadConfig.load_format``)."""
+from vllm_diffusion_plugin.engine.config import LOAD_FORMAT  # noqa: E402  (the public name; light: no torch)
 
 _registered = False
 
 _PUBLIC = {  # name -> module that owns it; imported on first attribute access
-    "LoadOptions": "vllm_diffusion_plugin.engine.config",
-    "HSDPConfig": "vllm_diffusion_plugin.engine.hsdp",
-    "LoraSpec": "vllm_diffusion_plugin.engine.pipeline",
-    "load_components": "vllm_diffusion_plugin.engine.pipeline",
-    "save_components": "vllm_diffusion_plugin.engine.pipeline",
+    "LoadOptions": "vllm_diffusion_plugin.engine.session",
+    "LoadSession": "vllm_diffusion_plugin.engine.session",
+    "HSDPConfig": "vllm_diffusion_plugin.engine.session",
+    "LoraSpec": "vllm_diffusion_plugin.engine.session",
+    "load_components": "vllm_diffusion_plugin.engine.session",
+    "save_components": "vllm_diffusion_plugin.engine.session",
     "fuse_lora_files": "vllm_diffusion_plugin.engine.lora",
-    "process_weights_after_loading": "vllm_diffusion_plugin.engine.postprocess",
+    "process_weights_after_loading": "vllm_diffusion_plugin.engine.session",
 }
 
 

@@ -131,7 +131,7 @@ def test_each_worker_says_its_own_rss_right_before_its_model_load():
     capacity benchmark needs each worker's own RSS where vllm-omni's runner starts ``load_model``."""
     import re
 
-    from vllm_diffusion_plugin.engine.report import status_memory
+    from vllm_diffusion_plugin.engine.memory import status_memory
     from vllm_diffusion_plugin.testing.logs import captured_logs
 
     with captured_logs("vllm_diffusion_plugin.doors.omni.cpu.platform") as records:

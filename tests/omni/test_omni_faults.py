@@ -49,8 +49,8 @@ def expect_named(message: str, shard: Path, mode: str) -> None:
 def test_a_dit_shard_changed_during_the_full_load_is_named(omni_world, wan22, tmp_path, monkeypatch, mode):
     """Before: a truncated shard failed with torch's "Trying to resize storage that is not resizable" (the file
     unnamed); a replaced one loaded its zeros as the DiT's weights without a word."""
-    from vllm_diffusion_plugin.engine import weights
-    from vllm_diffusion_plugin.engine.integrity import CheckpointChangedError
+    from vllm_diffusion_plugin.engine import session as weights
+    from vllm_diffusion_plugin.engine.errors import CheckpointChangedError
 
     root = tmp_path / "wan22"
     shutil.copytree(wan22.root, root)

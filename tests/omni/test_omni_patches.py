@@ -26,7 +26,7 @@ from torch import nn
 
 from vllm_diffusion_plugin.doors.omni import _patching, patch_load_format, patch_lora_device, patch_postprocess
 from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
-from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS, build_tiny_model, write_tiny_lora
 
 import_omni()  # skips this module where vllm-omni is not installed

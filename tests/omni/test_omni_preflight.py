@@ -69,7 +69,7 @@ def test_the_api_server_refuses_for_the_host_before_any_worker_starts(sparse_wan
     """2 diffusion ranks (vllm-omni's --use-hsdp --hsdp-shard-size 2), ``full``: each worker holds both DiTs whole
     in vllm-omni's pipeline -- in an 18.4 GiB cgroup that cannot fit, ``rank_local`` (each its half, then its
     warm-up) does. Refused in one line in the API server; the same stage with ``rank_local`` is accepted."""
-    from vllm_diffusion_plugin.engine.preflight import meminfo_available
+    from vllm_diffusion_plugin.engine.memory import meminfo_available
 
     if (meminfo_available() or 0) < LIMIT:
         pytest.skip(f"this host has less than {LIMIT / GiB:.1f} GiB available: MemAvailable, not the cgroup, would "

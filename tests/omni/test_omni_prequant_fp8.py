@@ -171,7 +171,7 @@ def test_a_layer_the_checkpoint_keeps_unquantized_but_vllm_omni_builds_as_fp8_is
     """ModelOpt's ``exclude_modules`` keeps ``img_mlp.net.2`` in the load dtype; vllm-omni's Qwen-Image builds it as
     an FP8 layer anyway (the names it matches the exclusion against are not the checkpoint's): its own load casts
     the unquantized weight to FP8 and leaves the scale at its sentinel. Ours names the layers instead."""
-    from vllm_diffusion_plugin.engine.weights import WeightLoadError
+    from vllm_diffusion_plugin.engine.errors import WeightLoadError
     from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
 
     root = write_tiny_pipeline(tmp_path / "qwen-image", "qwen-image", runnable=True)

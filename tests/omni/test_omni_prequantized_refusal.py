@@ -37,7 +37,7 @@ def test_modelopt_fp8_with_rank_local_needs_a_method_that_finishes_rows(omni, al
     from vllm_omni.quantization import build_quant_config
 
     from vllm_diffusion_plugin.doors.omni.serve_options import checkpoint_strategy
-    from vllm_diffusion_plugin.engine import quant_shards
+    from vllm_diffusion_plugin.engine.quant import online as quant_shards
 
     monkeypatch.setattr(quant_shards, "ROW_WISE_METHODS", set())
     config = build_quant_config({"quant_method": "modelopt", "quant_algo": algo})

@@ -11,7 +11,7 @@ from torch import nn
 from vllm.model_executor.model_loader.reload import layerwise
 
 from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
-from vllm_diffusion_plugin.testing.fake_accelerator import fake_mesh
+from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 from vllm_diffusion_plugin.testing.online_quant import FP8, TorchFp8OnlineMethod
 from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 

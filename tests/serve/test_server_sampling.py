@@ -140,7 +140,7 @@ def test_marks_keep_a_processes_figures_when_its_log_line_appears(tmp_path):
 
 
 def test_status_memory_reads_this_process_and_nothing_of_a_gone_one():
-    from vllm_diffusion_plugin.engine.report import status_memory
+    from vllm_diffusion_plugin.engine.memory import status_memory
 
     block = bytearray(64 << 20)  # zero-filled by the allocator: resident once written
     for i in range(0, len(block), 4096):

@@ -30,23 +30,32 @@ from vllm.config.load import LoadConfig
 
 from vllm_diffusion_plugin import compat
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, PickleRefusedError, resolve_checkpoint
-from vllm_diffusion_plugin.engine.config import LoadOptions
-from vllm_diffusion_plugin.engine.pipeline import LoraSpec
+from vllm_diffusion_plugin.engine.session import (
+    ComponentSource,
+    LoadOptions,
+    LoadSession,
+    LoraSpec,
+    PickleRefusedError,
+    StrategyError,
+    accelerator_of,
+    plan_module_load,
+    process_weights_after_loading,
+    quantization_config,
+    resolve_checkpoint,
+)
 
 logger = init_logger(__name__)
-PREFLIGHT_HOW = ('add "preflight": "warn" to --model-loader-extra-config (or set VLLM_DIFFUSION_PREFLIGHT=warn)')
+PREFLIGHT_HOW = 'add "preflight": "warn" to --model-loader-extra-config (or set VLLM_DIFFUSION_PREFLIGHT=warn)'
+PICKLE_HOW = 'add "allow_pickle": true to --model-loader-extra-config (or set VLLM_DIFFUSION_ALLOW_PICKLE=1)'
 
 
 class DiffusionHSDPLoader(compat.base_model_loader()):
-    """Streams an HF / diffusers checkpoint folder into the model vLLM builds, through the plugin's steps."""
+    """Streams an HF / diffusers checkpoint folder into the model vLLM builds, through a load session."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = LoadOptions.from_extra_config(load_config.model_loader_extra_config)
         if self.options.hsdp_weight_load != "full":
-            from vllm_diffusion_plugin.engine.strategies import StrategyError
-
             raise StrategyError(f"hsdp_weight_load={self.options.hsdp_weight_load!r} is not available in the vLLM "
                                 f"loader (vLLM builds and loads its model on every rank); use 'full', or "
                                 f"`vllm-diffusion load --hsdp-weight-load` for diffusers checkpoints")
@@ -58,30 +67,28 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                                  f"components cannot be named here")
             if not spec.path.exists():
                 raise FileNotFoundError(f"lora_path {spec.path} does not exist")
+        self._session: LoadSession | None = None
 
     # ---- BaseModelLoader API --------------------------------------------------------------------------
     def download_model(self, model_config: ModelConfig) -> None:
-        self._source(model_config)
+        self._source(self._new_session(model_config, torch.device("cpu")), model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Check the configured LoRA files against the model (before any read), stream the checkpoint through
         ``model.load_weights`` (vLLM's stacked-parameter mapping applies), check every parameter was loaded,
         then fuse the LoRA files. Onto an accelerator the bytes go through pinned staging (``pinned_staging_mb``)."""
-        from vllm_diffusion_plugin.engine.weights import load_into_module
-
-        from vllm_diffusion_plugin.engine import integrity
-        from vllm_diffusion_plugin.engine.reader import bounded_reads
-
-        source = self._source(model_config)
-        stamps = integrity.stamp(source.files)  # a shard truncated or replaced from here on is named
-        loras = self._prepare_loras(model, source=source) if self.lora_specs else None
-        with integrity.unchanged(stamps, component=source.name), bounded_reads(self.options.read_timeout_s):
-            result = load_into_module(model, source=source, strict_unexpected=self.options.strict_unexpected,
-                                      threads=self.options.threads, staging=self._staging(model))
+        session = self._session or self._new_session(model_config, accelerator_of([model]) or torch.device("cpu"))
+        source = self._source(session, model_config)
+        entry = session.component(source)
+        loras = self._prepare_loras(session, model, source) if self.lora_specs else None
+        result = session.fill(model, source, entry=entry)
         logger.info("Loaded %d tensors (%.1f MB) from %s in %.2f s", len(result.loaded),
                     result.bytes_read / 1e6, source.folder, result.seconds)
         if loras is not None:
-            self._fuse_loras(model, loras)
+            stats = session.fuse(model, loras, entry=entry)
+            logger.info("Fused %d LoRA file(s) into %s: %d targets, compute device %s, %d fallback(s)",
+                        len(self.lora_specs), type(model).__name__, stats.targets, stats.compute_device,
+                        stats.fallbacks)
 
     def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpoint tensor by checkpoint name, for vLLM's in-place reload (vLLM 0.34+). Raises at the
@@ -99,110 +106,79 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
                 f"load_format='diffusion-hsdp': in-place weight reload of an HSDP-sharded model is not supported "
                 f"({len(sharded)} sharded parameters, e.g. {sharded[0]}): vLLM's weight loaders copy full "
                 f"tensors into parameters. Restart with the new weights instead")
-        from vllm_diffusion_plugin.engine.weights import iterate_weights
-
-        return iterate_weights(self._source(model_config), threads=self.options.threads, staging=self._staging(model))
-
-    def _staging(self, model: nn.Module):
-        """``reader.DeviceStaging`` for the accelerator the model's parameters are on, or None (host, mixed)."""
-        from vllm_diffusion_plugin.engine import platform
-        from vllm_diffusion_plugin.engine.reader import DeviceStaging
-
-        device = platform.accelerator_of([model])
-        return None if device is None else DeviceStaging.open(device, max_bytes=self.options.pinned_staging_mb << 20,
-                                                              threads=self.options.threads)
+        device = accelerator_of([model])
+        session = self._new_session(model_config, device or torch.device("cpu"))
+        return session.tensors(self._source(session, model_config), device=device)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
-
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         target_device = torch.device(load_device)
-        self._preflight(vllm_config, model_config, target_device)
-        with set_default_torch_dtype(model_config.dtype), target_device:
-            model = compat.initialize_model()(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-        self.load_weights(model, model_config)
-        retie = compat.maybe_retie_word_embeddings()
-        if retie is not None:
-            retie(model, model_config)
-        process_weights_after_loading(model, target_device, model_config)
-        self._maybe_shard(model, target_device)
-        return model.eval()
+        session = self._session = self._new_session(model_config, target_device)
+        try:
+            self._preflight(session, vllm_config, model_config, target_device)
+            with set_default_torch_dtype(model_config.dtype), target_device:
+                model = compat.initialize_model()(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            self.load_weights(model, model_config)
+            retie = compat.maybe_retie_word_embeddings()
+            if retie is not None:
+                retie(model, model_config)
+            process_weights_after_loading(model, target_device, model_config)
+            shard = session.shard(model, entry=session.report.components[-1])
+            if shard is not None:
+                logger.info("HSDP: sharded %d blocks of %s (%s); this rank holds %.1f MB of %.1f MB parameters",
+                            len(shard.blocks), type(model).__name__, shard.source, shard.local_bytes / 1e6,
+                            shard.total_bytes / 1e6)
+            session.finish(log=logger)  # the load report line, as every door logs it
+            return model.eval()
+        finally:
+            self._session = None
 
     # ---- steps ------------------------------------------------------------------------------------------
-    def _preflight(self, vllm_config: VllmConfig, model_config: ModelConfig, device: torch.device) -> None:
+    def _new_session(self, model_config: ModelConfig, device: torch.device) -> LoadSession:
+        dtype = getattr(model_config, "dtype", None) or torch.get_default_dtype()  # the report's; vLLM casts itself
+        return LoadSession(self.options, device=device, dtype=dtype, lora_specs=self.lora_specs)
+
+    def _preflight(self, session: LoadSession, vllm_config: VllmConfig, model_config: ModelConfig,
+                   device: torch.device) -> None:
         """Before vLLM allocates the model (``engine.preflight``): the checkpoint's bytes at the model's dtype (its
         tensor-parallel share) and the LoRA files against what this node's host has left, for all its workers
         together, and against this worker's free accelerator memory. Every worker measures, then waits for the
         others (vLLM's world group), so that none counts another's model as taken."""
         if self.options.preflight == "off":
             return
-        from vllm_diffusion_plugin.engine import platform, preflight
-
         parallel = vllm_config.parallel_config
         local = getattr(parallel, "local_world_size", None) or \
             max(1, parallel.world_size // max(1, getattr(parallel, "nnodes", 1)))
-        plan = preflight.plan_module_load(
-            self._source(model_config), dtype=model_config.dtype, device_type=device.type, ranks=local,
+        plan = plan_module_load(
+            self._source(session, model_config), dtype=model_config.dtype, device_type=device.type, ranks=local,
             lora_files=[(str(s.path), s.scale) for s in self.lora_specs],
             tensor_parallel=parallel.tensor_parallel_size, chunk_mb=self.options.lora_device_chunk_mb)
-        host, free = preflight.host_available(), platform.free_memory(device)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        compat.world_barrier()
-        preflight.enforce([preflight.check_host(plan, "full", host=host, strategies=("full",)),
-                           preflight.check_device(plan, "full", rank=rank % local, free=free, strategies=("full",))],
-                          mode=self.options.preflight, how=PREFLIGHT_HOW)
+        session.preflight(plan, strategy="full", how=PREFLIGHT_HOW, host=True, rank=rank % local,
+                          before_verdict=compat.world_barrier, strategies=("full",))
 
-    def _source(self, model_config: ModelConfig) -> ComponentSource:
+    def _source(self, session: LoadSession, model_config: ModelConfig) -> ComponentSource:
+        """vLLM's model folder, resolved (strict manifests) and taken into ``session``: its one component gets every
+        LoRA file; its quantization is vLLM's own (the model vLLM built reads any checkpoint vLLM reads)."""
         try:
             sources = resolve_checkpoint(model_config.model, revision=model_config.revision,
                                          allow_pickle=self.options.allow_pickle)
         except PickleRefusedError as exc:
-            raise exc.with_how('add "allow_pickle": true to --model-loader-extra-config (or set '
-                               'VLLM_DIFFUSION_ALLOW_PICKLE=1)') from None
+            raise exc.with_how(PICKLE_HOW) from None
         if len(sources) != 1:
             raise ValueError(f"{model_config.model} resolves to {len(sources)} components "
                              f"({', '.join(s.name for s in sources)}); vLLM loads one model folder")
+        session.adopt(sources, dits=[sources[0].name], our_quantization=False)
         return sources[0]
 
-    def _prepare_loras(self, model: nn.Module, *, source: ComponentSource) -> list:
+    def _prepare_loras(self, session: LoadSession, model: nn.Module, source: ComponentSource) -> list:
         """Every LoRA file read and checked against the model's shapes (nothing is touched): errors name the file,
         the component and the first offending keys before any checkpoint byte is read."""
-        from vllm_diffusion_plugin.engine.lora import prepare_lora_files
-        from vllm_diffusion_plugin.engine.prequant import quantization_config
-
         _check_lora_fusable(model, quantization_config(source))
-        return prepare_lora_files(model, [(s.path, s.scale) for s in self.lora_specs],
-                                  strict=self.options.lora_strict,
-                                  packed_modules=getattr(model, "packed_modules_mapping", None),
-                                  component=source.name)
-
-    def _fuse_loras(self, model: nn.Module, loras: list) -> None:
-        from vllm_diffusion_plugin.engine.lora import fuse_prepared
-
-        stats = fuse_prepared(model, loras, chunk_mb=self.options.lora_device_chunk_mb,
-                              check_finite=self.options.lora_check_finite,
-                              host_weights=self.options.lora_host_weights)
-        logger.info("Fused %d LoRA file(s) into %s: %d targets, compute device %s, %d fallback(s)",
-                    len(self.lora_specs), type(model).__name__, stats.targets, stats.compute_device,
-                    stats.fallbacks)
-
-    def _maybe_shard(self, model: nn.Module, target_device: torch.device) -> None:
-        from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
-
-        declared = getattr(model, "_hsdp_shard_conditions", None)
-        if not declared and not self.options.hsdp_block_pattern:
-            return
-        if not dist.is_initialized():
-            raise RuntimeError("HSDP was requested but torch.distributed is not initialized")
-        config = HSDPConfig(replicate_size=self.options.hsdp_replicate_size,
-                            shard_size=self.options.hsdp_shard_size)
-        mesh = build_mesh(config, device_type=target_device.type)
-        report = apply_hsdp(model, mesh=mesh, config=config, pattern=self.options.hsdp_block_pattern)
-        logger.info("HSDP: sharded %d blocks of %s (%s); this rank holds %.1f MB of %.1f MB parameters",
-                    len(report.blocks), type(model).__name__, report.source, report.local_bytes / 1e6,
-                    report.total_bytes / 1e6)
+        return session.prepare_loras(source, module=model,
+                                     packed_modules=getattr(model, "packed_modules_mapping", None))
 
 
 def _check_lora_fusable(model: nn.Module,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_diffusion_plugin import envs
+from vllm_diffusion_plugin.engine.io.threads import DEFAULT_THREADS
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,6 @@ class LoadOptions:
     @property
     def threads(self) -> int:
         """``read_threads``, or the default (vllm-omni's: 4) when unset."""
-        from vllm_diffusion_plugin.engine.reader import DEFAULT_THREADS
-
         return DEFAULT_THREADS if self.read_threads is None else self.read_threads
 
     def validate(self) -> None:
@@ -140,6 +139,9 @@ class LoadOptions:
         if not self.hsdp_broadcast_timeout_s > 0:
             raise ValueError(f"hsdp_broadcast_timeout_s must be positive, got {self.hsdp_broadcast_timeout_s}")
 
+
+LOAD_FORMAT = "diffusion-hsdp"
+"""The load format name in every door (lowercase: vLLM lowercases ``LoadConfig.load_format``)."""
 
 WEIGHT_LOAD_STRATEGIES = ("full", "broadcast", "rank_local")
 """Values of ``hsdp_weight_load`` (``strategies.STRATEGIES``; kept here so this module stays light)."""

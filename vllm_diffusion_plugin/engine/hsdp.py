@@ -30,7 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.io.staging import place_module
+from vllm_diffusion_plugin.engine.postprocess import move_parameter
 
 logger = init_logger(__name__)
 
@@ -273,8 +276,6 @@ def _prepare_params(model: nn.Module, device: torch.device,
     """Make non-contiguous parameters contiguous; move unshardable ones to ``device`` (FSDP does not move
     ignored parameters; with ``allow_meta`` meta ones stay for the caller's ``to_empty``). Returns
     {unshardable parameter: name} and the names made contiguous."""
-    from vllm_diffusion_plugin.engine.postprocess import move_parameter
-
     ignored: dict[nn.Parameter, str] = {}
     made_contiguous: list[str] = []
     seen: set[int] = set()
@@ -327,8 +328,6 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
     (``reader.DeviceStaging``): a host-resident block crosses to the mesh's accelerator through it just before
     FSDP2 shards it (FSDP2's own move is a pageable copy), one block at a time as FSDP2 would.
     """
-    from vllm_diffusion_plugin.engine.reader import place_module
-
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if isinstance(model, FSDPModule):
@@ -383,22 +382,3 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
     return report
 
 
-def gather_full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
-    """The full (unsharded) state dict on CPU, one tensor at a time.
-
-    Every rank must call this (``DTensor.full_tensor()`` is a collective). With ``rank0_only`` only global
-    rank 0 keeps the tensors and gets the dict; other ranks get None.
-    """
-    dtensor = _dtensor_type()
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    out: dict[str, torch.Tensor] | None = {} if keep else None
-    for name, tensor in model.state_dict().items():
-        if isinstance(tensor, dtensor) and tensor.dtype.is_floating_point and tensor.element_size() == 1:  # FP8:
-            full = dtensor.from_local(tensor.to_local().view(torch.uint8), tensor.device_mesh, tensor.placements,
-                                      shape=tensor.shape, stride=tensor.stride()).full_tensor().view(tensor.dtype)
-        else:  # (gathered as its bytes above: gloo all-gathers no FP8)
-            full = tensor.full_tensor() if isinstance(tensor, dtensor) else tensor
-        if out is not None:
-            out[name] = full.detach().to("cpu", copy=True)
-        del full
-    return out

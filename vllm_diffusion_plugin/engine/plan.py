@@ -34,6 +34,7 @@ Reads no weight byte. Pure functions; no door imports.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,27 @@ from pathlib import Path
 
 import torch
 
-from vllm_diffusion_plugin.engine.plan_result import STRATEGY_ORDER, ComponentPlan, Plan, RankPlan
+from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
+from vllm_diffusion_plugin.engine.io.checkpoint import (
+    is_transformer,
+    resolve_checkpoint,
+)
+from vllm_diffusion_plugin.engine.io.headers import read_safetensors_header
+from vllm_diffusion_plugin.engine.io.rows import shard_rows
+from vllm_diffusion_plugin.engine.lora import prepare_lora_files
+from vllm_diffusion_plugin.engine.lora.specs import assign_loras
+from vllm_diffusion_plugin.engine.plan_result import (
+    STRATEGY_ORDER,
+    ComponentPlan,
+    Plan,
+    RankPlan,
+)
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8
+from vllm_diffusion_plugin.engine.quant.fuse import fuse_transient_bytes
+from vllm_diffusion_plugin.engine.quant.online import find_layers
+from vllm_diffusion_plugin.engine.quant.plan import quantized_bytes, quantized_layers
+from vllm_diffusion_plugin.engine.skeleton import build_component
+from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
 
 MIB = 2**20
 LOAD_CODE_BYTES = 24 * MIB
@@ -87,12 +108,6 @@ class _Shape:
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
                      options, lora_headers_only: bool = False, quantization=None) -> _Shape:
-    from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
-    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
-    from vllm_diffusion_plugin.engine.plan_quant import quantized_layers
-    from vllm_diffusion_plugin.engine.quant_fuse import FP8
-    from vllm_diffusion_plugin.engine.quant_shards import find_layers
-    from vllm_diffusion_plugin.engine.skeleton import build_component
 
     module = build_component(source, dtype=dtype, device="meta")
     if is_dit and quantization is not None:
@@ -126,7 +141,6 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
     largest_file = max((sum(source.tensors[k].nbytes for k in source.keys_in(f)) for f in source.files), default=0)
     if lora_headers_only and all(str(path).endswith(".safetensors") for path, _ in lora_files):
         # the factors as their headers list them; every 2-D weight a possible target (an upper bound)
-        from vllm_diffusion_plugin.engine.checkpoint import read_safetensors_header
 
         lora_bytes = sum(t.nbytes for path, _ in lora_files for t in read_safetensors_header(Path(path)).values())
         weights = [p.numel() * p.element_size() for p in params.values() if p.dim() == 2] if lora_files else []
@@ -202,9 +216,6 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
                     options, on_device: bool) -> tuple[ComponentPlan, int, int, int, int, int]:
     """(plan, host peak, device peak, private host peak, private host bytes held after it, file pages its module
     keeps viewing) of one component on ``rank``; private: not clean file pages (``RankPlan.host_private_peak``)."""
-    from vllm_diffusion_plugin.engine.plan_quant import quantized_bytes
-    from vllm_diffusion_plugin.engine.prequant import fuse_transient_bytes
-    from vllm_diffusion_plugin.engine.strategies.rank_local import shard_rows
 
     index = rank % shard_size
     rank_local = runs == "rank_local" and sharded
@@ -281,9 +292,6 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
     ``local_world_size``: ranks per node (None: all on one); ``lora_headers_only``: the LoRA figures from the
     files' safetensors headers, not read and checked (the pre-flight: the ranks check them); ``quantization``: the
     hook ``pipeline.load_components`` takes (applied to the DiTs' meta skeletons)."""
-    from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.engine.pipeline import assign_loras
-    from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
 
     sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
     transformers = [s.name for s in sources if is_transformer(s)]
@@ -329,3 +337,27 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
                 unavailable, host_memory, device_memory, local_world_size)
 
+
+def plan_module_load(source, *, dtype, device_type: str, lora_files: Sequence[tuple[str, float]] = (),
+                     ranks: int = 1, tensor_parallel: int = 1, chunk_mb: int = 256):
+    """The plan of a load that streams one checkpoint folder into a model another framework builds whole on every
+    rank (the vLLM loader door: ``full`` only), from its headers: every floating tensor at ``dtype``, divided
+    over ``tensor_parallel`` ranks (vLLM's own split, near enough), allocated on the device (or the host), plus the
+    LoRA files beside their factors (host) and one delta chunk (device). ``ranks``: this node's ranks (host)."""
+    size = dtype.itemsize if hasattr(dtype, "itemsize") else 2
+    whole = sum(math.prod(t.shape) * (size if t.dtype.is_floating_point else t.dtype.itemsize)
+                for t in source.tensors.values())
+    read = sum(t.nbytes for t in source.tensors.values())
+    held = -(-whole // max(1, tensor_parallel))
+    lora = sum(Path(path).stat().st_size for path, _ in lora_files)
+    chunk = min(chunk_mb * MIB, held) if lora else 0
+    on_device = device_type != "cpu"
+    host = 2 * lora + (0 if on_device else held + chunk)  # the files as read beside their factors, then the model
+    device = held + chunk if on_device else None
+    rows = tuple(RankPlan(rank, "full", "full", (ComponentPlan(source.name, read, held, device or host,
+                                                                "lora_device_chunk_mb", chunk),),
+                          read, host, device, device or held, host, 0 if on_device else held)
+                 for rank in range(ranks))
+    why = "the vLLM loader builds and loads its model on every rank"
+    return Plan(str(source.folder), ranks, None, device_type, str(dtype).removeprefix("torch."), rows,
+                {"broadcast": why, "rank_local": why})

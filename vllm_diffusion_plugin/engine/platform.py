@@ -14,8 +14,11 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
 from vllm_diffusion_plugin._logging import init_logger
 
 logger = init_logger(__name__)
@@ -133,20 +136,6 @@ def empty_cache(device: torch.device | str) -> None:
     module.empty_cache()
 
 
-def free_memory(device: torch.device | str) -> int | None:
-    """Free bytes on ``device`` as its backend says (``torch.cuda.mem_get_info``, ``torch.npu.mem_get_info``, ...);
-    None on the CPU and for a backend without the call (the fake accelerator)."""
-    device = torch.device(device)
-    module = _device_module(device)
-    if device.type == "cpu" or module is None or not hasattr(module, "mem_get_info"):
-        return None
-    try:
-        return int(module.mem_get_info(device)[0])
-    except Exception as exc:  # a driver error: no figure, no refusal
-        logger.info("Free memory of %s unknown (%s); the pre-flight skips it.", device, exc)
-        return None
-
-
 # ---- asynchronous copies: page-locked host memory, a copy stream, events ------------------------------------
 # Through ``torch.<device type>`` (``torch.cuda``, ``torch.npu`` once torch_npu is imported, ``torch.xpu``), which
 # all name these calls alike; a backend module lacking one makes the caller fall back to synchronous copies.
@@ -178,3 +167,29 @@ def new_event(device: torch.device):
 
 def current_stream(device: torch.device):
     return _device_module(device).current_stream(device)
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job (one process when torch.distributed is not initialized)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def current(cls) -> World:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+
+def resolve_target_device(requested: str) -> torch.device:
+    """``auto`` -> this process's accelerator when the probe says it works, else CPU; or the named type."""
+    if requested == "auto":
+        return usable_device(local_device()) or torch.device("cpu")
+    if requested == "cpu":
+        return torch.device("cpu")
+    device = torch.device(requested, local_rank())
+    if usable_device(device) is None:
+        raise RuntimeError(f"--device {requested}: {device} is not usable on this host (probe allocation failed)")
+    return device

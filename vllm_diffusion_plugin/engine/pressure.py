@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.memory import host_available, size_text
 
 logger = init_logger(__name__)
 
@@ -57,8 +58,6 @@ class PressureWatch(threading.Thread):
         self._done = threading.Event()
 
     def run(self) -> None:
-        from vllm_diffusion_plugin.engine.preflight import host_available, size_text
-
         while not self._done.wait(self.interval_s):
             full = full_avg10(self.root)
             if full is None:

@@ -9,13 +9,13 @@ combines the per-rank reports of one load.
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from vllm_diffusion_plugin.engine.memory import peak_rss_bytes
 
 PHASES = ("startup", "imports", "demo_write", "validate", "preflight", "resolve", "build", "read", "broadcast", "lora",
           "postprocess", "shard", "save", "total", "wall")
@@ -30,23 +30,6 @@ report)."""
 
 REPORT_PREFIX = "diffusion-hsdp load report:"
 """Starts every ``report_line``."""
-
-
-def status_memory(pid: int | str = "self") -> dict[str, int]:
-    """The ``Vm*`` lines of ``/proc/PID/status`` in bytes (``VmRSS``, ``VmHWM``, ...); empty where unreadable
-    (not Linux, or the process is gone)."""
-    try:
-        lines = open(f"/proc/{pid}/status").read().splitlines()
-    except OSError:
-        return {}
-    fields = (line.split(":", 1) for line in lines if line.startswith("Vm") and line.endswith(" kB"))
-    return {key: int(value.split()[0]) * 1024 for key, value in fields}
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @dataclass
@@ -161,15 +144,6 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError
-
-
-def human_count(n: float) -> str:
-    """A count in human units: ``950``, ``12.3K``, ``4.50M``, ``14.0B`` (parameters, tensors)."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= size:
-            value = n / size
-            return f"{value:.3g}{unit}" if value < 100 else f"{value:.0f}{unit}"
-    return f"{n:.0f}"
 
 
 def format_table(merged: dict[str, Any]) -> str:

@@ -18,30 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import os
-import shutil
 import threading
-import uuid
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import prequant
-from vllm_diffusion_plugin.engine.checkpoint import SAFETENSORS_INDEX_NAMES, CheckpointError, ComponentSource
-from vllm_diffusion_plugin.engine.fp8_layer import to_fp8_layers
-from vllm_diffusion_plugin.engine.progress import progress_bar
-from vllm_diffusion_plugin.engine.report import human_count
+from vllm_diffusion_plugin.engine.errors import CheckpointError
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.memory import human_count
+from vllm_diffusion_plugin.engine.quant.checkpoints import fp8_layers
+from vllm_diffusion_plugin.engine.quant.layer import to_fp8_layers
 
 logger = init_logger(__name__)
 
-WEIGHTS_PATTERN = "diffusion_pytorch_model{suffix}.safetensors"
-INDEX_NAME = SAFETENSORS_INDEX_NAMES[0]
 _PATCH_LOCK = threading.Lock()  # the meta-parameter patch is process-global while a class is constructed
-_CONFIG_DROP = ("_name_or_path", "_use_default_values", "_ignore_files")
 
 
 def component_class(source: ComponentSource) -> type[nn.Module]:
@@ -182,7 +175,7 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
     Load weights next (``weights.load_into_module(module, source=source)``). ``device="meta"`` returns the
     skeleton without allocating anything: parameters on ``meta`` already in their final dtypes (``dtype``, or
     float32 for the class's ``_keep_in_fp32_modules``), buffers with their real constructed values. The linears a
-    pre-quantized checkpoint stores in FP8 are ``fp8_layer.Fp8Linear`` (``prequant.fp8_layers``).
+    pre-quantized checkpoint stores in FP8 are ``fp8_layer.Fp8Linear`` (``fp8_layers``).
     """
     cls = component_class(source)
     config = dict(source.config)
@@ -196,7 +189,7 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
         materialize(module, device=device, dtype=dtype, keep_fp32=_fp32_module_names(cls))
     else:  # diffusers' dtype rule on meta: parameters only, buffers keep their values
         _place_parameters(module, device=torch.device("meta"), dtype=dtype, keep_fp32=_fp32_module_names(cls))
-    checkpoint = prequant.fp8_layers(source)  # a pre-quantized checkpoint: its FP8 layers, read as they are
+    checkpoint = fp8_layers(source)  # a pre-quantized checkpoint: its FP8 layers, read as they are
     if checkpoint is not None:
         to_fp8_layers(module, checkpoint.layers)
     module.eval()
@@ -206,93 +199,3 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
     return module
 
 
-def _prepare_state_dict(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor")
-        if type(value).__name__ == "DTensor" or hasattr(value, "device_mesh"):
-            raise TypeError(f"state dict entry {key!r} is a sharded DTensor; gather it first (e.g. torch.distributed"
-                            f".checkpoint.state_dict.get_model_state_dict(model, options=StateDictOptions("
-                            f"full_state_dict=True, cpu_offload=True))) and save from one rank")
-        if value.is_meta:
-            raise ValueError(f"state dict entry {key!r} {list(value.shape)} is on the meta device: it holds no data")
-        tensor = value.detach().to("cpu").contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        if tensor.numel() and storage in seen:
-            tensor = tensor.clone()  # tied weights / views of one storage: safetensors refuses shared memory
-        seen.add(tensor.untyped_storage().data_ptr())
-        out[key] = tensor
-    return out
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], config: Mapping[str, Any] | None,
-                   out_dir: str | os.PathLike, *, max_shard_size: int | str = "2GB",
-                   overwrite: bool = False, progress: bool | None = None) -> Path:
-    """Write a diffusers component folder (config.json + safetensors shards + index) atomically.
-
-    ``config`` is the component's config (must carry ``_class_name``); None takes a diffusers module's
-    own ``.config``. The state dict must be full (gathered) tensors. Shards follow diffusers' names and
-    ``max_shard_size`` rule; an index is written even for a single shard. ``out_dir`` must not exist
-    unless ``overwrite``; on any failure no output folder (and no partial one) is left behind. ``progress``:
-    a bar over the bytes written (``progress.progress_bar``).
-    """
-    out_dir = Path(out_dir)
-    if isinstance(module_or_state_dict, nn.Module):
-        if config is None and hasattr(module_or_state_dict, "config"):
-            config = {**module_or_state_dict.config, "_class_name": type(module_or_state_dict).__name__}
-        module_or_state_dict = module_or_state_dict.state_dict()
-    if config is None or not config.get("_class_name"):
-        raise ValueError(f"save_component({out_dir}): the config needs a _class_name naming the diffusers class")
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists; pass overwrite=True to replace it")
-    state = _prepare_state_dict(module_or_state_dict)
-    if not state:
-        raise ValueError(f"save_component({out_dir}): the state dict is empty")
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    split = split_torch_state_dict_into_shards(state, filename_pattern=WEIGHTS_PATTERN, max_shard_size=max_shard_size)
-    names = {name: name for name in split.filename_to_tensors}
-    if not split.is_sharded:
-        names = {name: WEIGHTS_PATTERN.format(suffix="-00001-of-00001") for name in names}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    bar = progress_bar(total=sum(t.nbytes for t in state.values()), desc=f"Saving {out_dir.name}", progress=progress)
-    try:
-        _write_json(tmp / "config.json", {k: v for k, v in dict(config).items() if k not in _CONFIG_DROP})
-        for name, keys in split.filename_to_tensors.items():
-            path = tmp / names[name]
-            save_file({key: state[key] for key in keys}, str(path), metadata={"format": "pt"})
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-            if bar is not None:
-                bar.update(sum(state[key].nbytes for key in keys))
-        weight_map = {key: names[name] for key, name in split.tensor_to_filename.items()}
-        _write_json(tmp / INDEX_NAME, {"metadata": dict(split.metadata), "weight_map": weight_map})
-        if out_dir.exists():
-            backup = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            out_dir.rename(backup)
-            tmp.rename(out_dir)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-    total = sum(t.nbytes for t in state.values())
-    logger.info("Saved %d tensors (%.3f GB) of %s in %d shard(s) to %s", len(state), total / 1e9,
-                config["_class_name"], len(names), out_dir)
-    return out_dir

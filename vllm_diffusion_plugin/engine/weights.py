@@ -11,7 +11,7 @@ shape and dtype from the file headers *before* touching the module, so a mismatc
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -19,39 +19,22 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import file_reads
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource, TensorInfo
-from vllm_diffusion_plugin.engine.progress import progress_bar
+from vllm_diffusion_plugin.engine.errors import WeightLoadError
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.io.headers import TensorInfo
+from vllm_diffusion_plugin.engine.io.staging import StagedCopy
+from vllm_diffusion_plugin.engine.io.stream import FileReads, LoadStats, iterate_weights
 
 if TYPE_CHECKING:
-    from vllm_diffusion_plugin.engine.reader import DeviceStaging
+    from vllm_diffusion_plugin.engine.io.staging import DeviceStaging
 
 logger = init_logger(__name__)
 
 """Show a progress bar by default only when a component is larger than this (1 GiB)."""
 _CASTABLE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _CONFIG_BUILT_PARAMS = ("input_scale_ub",)  # vLLM default_loader: params the quant config builds
-
-
-class WeightLoadError(ValueError):
-    """Checkpoint and module disagree (missing, unexpected or mismatched keys); the message names them."""
-
-
-@dataclass
-class LoadStats:
-    """Bytes and tensors read so far (a mutable counter a caller passes in to report bytes read per rank)."""
-
-    bytes_per_file: dict[Path, int] = field(default_factory=dict)
-    tensors: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_per_file.values())
-
-    def add(self, file: Path, nbytes: int) -> None:
-        self.bytes_per_file[file] = self.bytes_per_file.get(file, 0) + nbytes
-        self.tensors += 1
 
 
 @dataclass(frozen=True)
@@ -70,144 +53,6 @@ class LoadResult:
     @property
     def gb_per_s(self) -> float:
         return self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else float("inf")
-
-
-def _progress_bar(source: ComponentSource, total: int, progress: bool | None):
-    return progress_bar(total=total, desc=f"Loading {source.name}", progress=progress)
-
-
-def _open_pickle(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        try:
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{file}: cannot load with torch.load(weights_only=True): {exc}") from exc
-
-
-def _iter_file(source: ComponentSource, file: Path, keys: list[str],
-               map_private: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    if map_private and source.format == "safetensors":
-        yield from file_reads.mapped_file(source, file, keys)
-        return
-    if source.format == "pickle":
-        state = _open_pickle(file)
-        if isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-        for key in keys:
-            if key not in state:
-                raise CheckpointError(f"{file}: key {key!r} vanished since the checkpoint was resolved")
-            yield key, state[key]
-        return
-    from safetensors import safe_open
-    try:
-        handle = safe_open(str(file), framework="pt", device="cpu")
-    except Exception as exc:
-        raise CheckpointError(f"{file}: cannot open safetensors file: {exc}") from exc
-    with handle:
-        for key in keys:
-            try:
-                tensor = handle.get_tensor(key)
-            except Exception as exc:
-                raise CheckpointError(f"{file}: error while reading tensor {key!r}: {exc}") from exc
-            yield key, tensor
-
-
-class WeightStream(Iterator[tuple[str, torch.Tensor]]):
-    """The iterator ``iterate_weights`` returns; ``.source`` lets consumers name the file of each key."""
-
-    def __init__(self, source: ComponentSource, generator: Iterator[tuple[str, torch.Tensor]]):
-        self.source = source
-        self._generator = generator
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        return next(self._generator)
-
-    def close(self) -> None:
-        self._generator.close()
-
-
-def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, keys: Collection[str] | None = None,
-                    progress: bool | None = None, map_private: bool = False, threads: int = 1,
-                    staging: DeviceStaging | None = None) -> WeightStream:
-    """Yield ``(name, cpu_tensor)`` for every tensor of ``source`` (or only ``keys``), deterministically.
-
-    ``stats`` (optional) accumulates bytes per file. A progress bar over bytes is shown on rank 0 when
-    stderr is a terminal and the component is > 1 GiB, or when ``progress=True``; ``progress=False``
-    never shows one. A tensor whose file changed since it was resolved raises ``CheckpointError``.
-    ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``file_reads.mapped_file``).
-    Safetensors tensors (not staged) view a mapping of their file and are read in before they are yielded
-    (``pagein.fault_in``: a failing store is an error naming the file and the byte, not a SIGBUS): by the loading
-    thread, or with ``threads`` > 1 by that many threads ahead of the consumer (``reader.read_ahead``), still
-    yielded in the same order; stats and the bar count a tensor when it is yielded.
-    ``staging`` (safetensors): every tensor is yielded on its accelerator, copied through its page-locked ring by
-    ``threads`` threads (the caller's copies from it then run at device speed); same values.
-    """
-    return WeightStream(source, _generate(source, stats, keys, progress, map_private, threads, staging))
-
-
-def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection[str] | None,
-              progress: bool | None, map_private: bool = False, threads: int = 1,
-              staging: DeviceStaging | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    from vllm_diffusion_plugin.engine import reader
-
-    wanted = None if keys is None else set(keys)
-    plan = [(file, [k for k in source.keys_in(file) if wanted is None or k in wanted]) for file in source.files]
-    bar = _progress_bar(source, sum(source.tensors[k].nbytes for _, ks in plan for k in ks), progress)
-    staged = staging is not None and source.format == "safetensors"
-    mapped = source.format == "safetensors" and not staged  # viewed in a mapping, its pages read in by fault_in
-    items = ((file, key, tensor) for file, file_keys in plan
-             for key, tensor in _iter_file(source, file, file_keys, map_private or mapped))
-    starts: dict[Path, int] = {}
-
-    def read(item: tuple[Path, str, torch.Tensor]) -> torch.Tensor | None:
-        # on the read threads (or inline with one): the pages are read in here, an I/O error named where the
-        # consumer's copy touching them would die of SIGBUS; None, or the tensor read by pread instead (a kernel
-        # without MADV_POPULATE_READ: pagein.fault_in)
-        if not mapped:
-            return None
-        file, key, tensor = item
-        if file not in starts:
-            starts[file] = file_reads.data_start(file)
-        at = file_reads.mapped_at(starts[file] + source.tensors[key].offset, source.tensors[key])
-        return file_reads.named(file, key, reader.fault_in, tensor, file, at) if at is not None else None
-
-    def where(item: tuple[Path, str, torch.Tensor]) -> str:
-        file, key, tensor = item
-        return f"{file} at byte {tensor.storage_offset() * tensor.element_size()} (tensor {key!r})"
-
-    reads = file_reads.FileReads(source)
-
-    def copies() -> Iterator[reader.StagedCopy]:  # straight from the files into device tensors
-        for file, file_keys in plan:
-            for key in file_keys:
-                info = source.tensors[key]
-                dst = torch.empty(info.shape, dtype=info.dtype, device=staging.device)
-                yield reader.StagedCopy(dst, info.dtype, reads.fill(key), (file, key, dst), reads.where(key))
-
-    handed = (staging.copy(copies(), threads=threads) if staged else
-              (item if instead is None else (*item[:2], instead)
-               for item, instead in reader.read_ahead(items, read, threads=threads if mapped else 1,
-                                                      nbytes=lambda item: item[2].nbytes, where=where)))
-    try:
-        for file, key, tensor in handed:
-            info = source.tensors[key]
-            if tuple(tensor.shape) != info.shape or tensor.dtype != info.dtype:
-                raise CheckpointError(f"{file}: tensor {key!r} is {list(tensor.shape)} {tensor.dtype} but "
-                                      f"its header said {list(info.shape)} {info.dtype}; file changed?")
-            nbytes = tensor.numel() * tensor.element_size()
-            if stats is not None:
-                stats.add(file, nbytes)
-            if bar is not None:
-                bar.update(nbytes)
-            yield key, tensor
-    finally:
-        reads.close()
-        if bar is not None:
-            bar.close()
 
 
 def strict_check_exemptions(module: nn.Module) -> set[str]:
@@ -412,12 +257,10 @@ def _copy_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], assign:
 def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], staging: DeviceStaging, threads: int,
                source: ComponentSource) -> set[str]:
     """``_copy_all`` through ``staging``: targets on its device (contiguous) are filled by its ring straight from the
-    files (``file_reads.FileReads``), any other target is copied at once."""
-    from vllm_diffusion_plugin.engine.reader import StagedCopy
-
+    files (``FileReads``), any other target is copied at once."""
     loaded: set[str] = set()
 
-    def copies(reads: file_reads.FileReads) -> Iterator[StagedCopy]:
+    def copies(reads: FileReads) -> Iterator[StagedCopy]:
         for name, target, tensor in checked:  # tensor: a mapped view, for the checks; its bytes are pread
             if target.device.type == staging.device.type and target.is_contiguous():
                 yield StagedCopy(target.data, tensor.dtype, reads.fill(name), name, reads.where(name))
@@ -425,6 +268,6 @@ def _stage_all(checked: Iterable[tuple[str, torch.Tensor, torch.Tensor]], stagin
                 target.data.copy_(tensor)
                 loaded.add(name)
 
-    with torch.no_grad(), file_reads.FileReads(source) as reads:
+    with torch.no_grad(), FileReads(source) as reads:
         loaded.update(staging.copy(copies(reads), threads=threads))
     return loaded

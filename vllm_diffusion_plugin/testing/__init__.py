@@ -1,15 +1,16 @@
 """Test helpers shipped with the plugin: the ``fakeacc`` fake accelerator and its pytest plugin.
 
-Importing this package is cheap; the names below load :mod:`.fake_accelerator` (and torch) on
-first use.
+Importing this package is cheap; the names below load their module (and torch) on first use.
 """
 
-__all__ = ["DEVICE_TYPE", "FakeAccelerator", "fake_mesh", "install", "register_fake_process_group"]
+import importlib
+
+_OWNERS = {"DEVICE_TYPE": "fake_accelerator", "FakeAccelerator": "fake_accelerator", "install": "fake_accelerator",
+           "fake_mesh": "fake_mesh", "register_fake_process_group": "fake_mesh"}
+__all__ = sorted(_OWNERS)
 
 
 def __getattr__(name: str) -> object:
-    if name in __all__:
-        from . import fake_accelerator
-
-        return getattr(fake_accelerator, name)
+    if name in _OWNERS:
+        return getattr(importlib.import_module(f"{__name__}.{_OWNERS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

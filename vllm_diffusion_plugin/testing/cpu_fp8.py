@@ -26,9 +26,8 @@ def register() -> None:
             return
     except ValueError:  # an invalid value: the CPU platform's entry point names it
         return
-    from vllm_diffusion_plugin.testing.online_quant import register_omni_override
-
     from vllm_diffusion_plugin.testing.cpu_modelopt import register as register_modelopt
+    from vllm_diffusion_plugin.testing.online_quant import register_omni_override
 
     names = register_omni_override()
     logger.info("CPU platform: --quantization %s registered through vllm-omni's quantization override hook: a "

@@ -18,12 +18,21 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.quantization.modelopt import ModelOptFp8Config
-from vllm.model_executor.parameter import ChannelQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
+from vllm.model_executor.parameter import (
+    ChannelQuantScaleParameter,
+    ModelWeightParameter,
+    PerTensorScaleParameter,
+)
 
-from vllm_diffusion_plugin.engine.fp8_layer import Fp8RowMethod
-from vllm_diffusion_plugin.engine.quant_fuse import FP8, dequantize
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8, dequantize
+from vllm_diffusion_plugin.engine.quant.layer import Fp8RowMethod
+from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
 
 LIMIT = torch.finfo(FP8).max
 UNLOADED = torch.finfo(torch.float32).min
@@ -98,7 +107,6 @@ def register() -> str:
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
 
     if CpuModelOptFp8LinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
         linear.WEIGHT_LOADER_V2_SUPPORTED.append(CpuModelOptFp8LinearMethod.__name__)

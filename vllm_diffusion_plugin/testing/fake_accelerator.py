@@ -21,7 +21,7 @@ nn.Linear(...)`` (same init as CPU under the same seed), ``nn.Linear(...).to(dev
 ``load_state_dict``, ``mm``/``addmm_``/``A @ B * s``, ``add_``/``sub_``/``copy_``, views
 (``t()``, slices, ``view``, ``narrow``, ``contiguous()``), ``isfinite``/``all``, casts to
 float32/bfloat16/float16/float8_e4m3fn, and FSDP2 ``fully_shard`` on a one-process fake mesh
-(:func:`fake_mesh`). Any other aten op with a CPU kernel runs through the fallback.
+(``testing.fake_mesh``). Any other aten op with a CPU kernel runs through the fallback.
 Like a real accelerator, an op mixing device tensors with non-scalar CPU tensors raises
 "Expected all tensors to be on the same device" (index tensors of indexing ops excepted).
 
@@ -50,8 +50,8 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -59,10 +59,7 @@ from torch.utils import _pytree as pytree
 
 from vllm_diffusion_plugin.testing import fake_streams
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-__all__ = ["DEVICE_TYPE", "FakeAccelerator", "fake_mesh", "install", "register_fake_process_group"]
+__all__ = ["DEVICE_TYPE", "FakeAccelerator", "install"]
 
 DEVICE_TYPE = "fakeacc"
 _CPU = torch.device("cpu")
@@ -420,41 +417,3 @@ def install() -> FakeAccelerator:
     return accelerator
 
 
-def register_fake_process_group() -> None:
-    """Let torch's fake process group (backend ``"fake"``) serve ``fakeacc`` tensors too.
-
-    The fake group runs a single rank of any world size without communicating (collectives
-    return garbage); enough to build a DeviceMesh and call ``fully_shard``. Idempotent.
-    """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed import fake_pg  # registers "fake" for cpu/cuda/...
-
-    devices = dist.Backend.backend_capability[dist.Backend.FAKE]
-    if DEVICE_TYPE not in devices:
-        dist.Backend.register_backend(
-            dist.Backend.FAKE, fake_pg._create_fake_pg, extended_api=True, devices=[*devices, DEVICE_TYPE]
-        )
-
-
-@contextlib.contextmanager
-def fake_mesh(
-    shape: tuple[int, ...] = (1, 2), *, mesh_dim_names: tuple[str, ...] | None = ("replicate", "shard")
-) -> Iterator[DeviceMesh]:
-    """Yield a ``fakeacc`` DeviceMesh of ``shape`` in this one process, as rank 0 of a fake world.
-
-    Initializes the default process group with the fake backend (world size ``prod(shape)``) and
-    destroys it on exit. Raises if a default process group already exists.
-    """
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    install()
-    register_fake_process_group()
-    if dist.is_initialized():
-        raise RuntimeError("fake_mesh needs a process without a default process group")
-    dist.init_process_group("fake", rank=0, world_size=math.prod(shape), store=FakeStore())
-    try:
-        yield init_device_mesh(DEVICE_TYPE, shape, mesh_dim_names=mesh_dim_names)
-    finally:
-        dist.destroy_process_group()

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from vllm_diffusion_plugin._logging import PREFIX
+
 
 class RecordList(logging.Handler):
     """A handler that keeps every record it receives."""
@@ -33,8 +35,6 @@ def captured_logs(module_name: str, level: int = logging.DEBUG) -> Iterator[Reco
     The logger's level is lowered to ``level`` for the duration when it would filter them out (``setLevel``,
     which also clears logging's ``isEnabledFor`` cache), and restored afterwards.
     """
-    from vllm_diffusion_plugin._logging import PREFIX
-
     logger = logging.getLogger(PREFIX + module_name)
     handler = RecordList(level)
     old_level = logger.level

@@ -17,11 +17,15 @@ import re
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 from vllm.model_executor.model_loader.reload import layerwise
 
-from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear, Fp8RowMethod
-from vllm_diffusion_plugin.engine.quant_fuse import FP8  # noqa: F401 (re-exported for tests)
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8  # noqa: F401 (re-exported for tests)
+from vllm_diffusion_plugin.engine.quant.layer import Fp8Linear, Fp8RowMethod
+from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
 
 
 class TorchFp8OnlineMethod(Fp8RowMethod, QuantizeMethodBase):
@@ -139,7 +143,6 @@ def register_omni_override() -> tuple[str, str]:
     vllm-omni's DiTs on a CPU host. Labelled as what it is: a test method, not vLLM's fp8."""
     from vllm_omni.quantization.factory import register_quantization_override
 
-    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
 
     register_quantization_override("torch_fp8", lambda **_: torch_fp8_config(False))
     register_quantization_override("torch_fp8_per_channel", lambda **_: torch_fp8_config(True))

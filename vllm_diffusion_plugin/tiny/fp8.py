@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_diffusion_plugin.engine.quant.fp8 import fuse_fp8_rows
+
 FP8 = torch.float8_e4m3fn
 
 
@@ -19,7 +21,6 @@ def fused_fp8_copy(root: Path, out: Path, loras: list[Path], *, component: str =
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows
 
     shutil.copytree(root, out)
     deltas: dict[str, torch.Tensor] = {}

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_diffusion_plugin.tiny.tokenizers import t5_tokenizer
+
 TINY_CONFIGS: dict[str, dict] = {
     "wan": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
                 text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
@@ -118,7 +120,6 @@ def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtyp
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from vllm_diffusion_plugin.tiny.tokenizers import t5_tokenizer
 
     root = Path(root)
     tokenizer = t5_tokenizer(_TINY_WORDS)

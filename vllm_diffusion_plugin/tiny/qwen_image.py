@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from vllm_diffusion_plugin.tiny.models import seed_parameters
+from vllm_diffusion_plugin.tiny.tokenizers import qwen2_tokenizer
+
 TINY_QWEN_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-6,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
@@ -38,8 +41,6 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_diffusion_plugin.tiny.models import seed_parameters
-    from vllm_diffusion_plugin.tiny.tokenizers import qwen2_tokenizer
 
     root = Path(root)
     tokenizer = qwen2_tokenizer()

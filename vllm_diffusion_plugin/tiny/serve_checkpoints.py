@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name
+from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
+
 LORA_RANK, LORA_ALPHA = 4, 8.0
 
 
@@ -31,8 +34,6 @@ class Checkpoints:
 def build_checkpoints(root: Path, *, merged: bool = True) -> Checkpoints:
     """The tiny runnable Wan2.2 pipeline under ``root/original``, its two LoRAs, and (``merged=True``) the
     diffusers-merged twin under ``root/merged`` (``merged=False``: that field is None)."""
-    from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
-
     root.mkdir(parents=True, exist_ok=True)
     original = write_tiny_pipeline(root / "original", "wan", runnable=True)
     lora_high = _write_peft_lora(original / "transformer", root / "lora_high")
@@ -71,7 +72,6 @@ def _write_lightx2v_lora(transformer: Path, out: Path) -> Path:
     """Keys in original Wan naming for every attention/FFN linear and the head (with a bias delta)."""
     from safetensors.torch import save_file
 
-    from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name
 
     model = _load_dit(transformer)
     gen = torch.Generator().manual_seed(22)

@@ -15,6 +15,13 @@ from pathlib import Path
 
 import torch
 
+from vllm_diffusion_plugin.tiny.models import seed_parameters
+from vllm_diffusion_plugin.tiny.tokenizers import (
+    QWEN3_CHAT_TEMPLATE,
+    QWEN3_SPECIAL,
+    qwen2_tokenizer,
+)
+
 TINY_Z_IMAGE_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
 """``Qwen3Config`` of the text encoder (``hidden_size`` == the DiT's ``cap_feat_dim``; tied embeddings like
@@ -36,8 +43,6 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from vllm_diffusion_plugin.tiny.models import seed_parameters
-    from vllm_diffusion_plugin.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL, qwen2_tokenizer
 
     root = Path(root)
     tokenizer = qwen2_tokenizer(special=QWEN3_SPECIAL, chat_template=QWEN3_CHAT_TEMPLATE)

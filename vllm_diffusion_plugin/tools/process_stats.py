@@ -5,11 +5,10 @@ from its title. Linux only (``/proc``)."""
 
 from __future__ import annotations
 
-import threading
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 ROLES = (("DiffusionWorker", "worker"), ("StageEngineCore", "engine"), ("APIServer", "api"))
 """Process title substring -> role (vLLM's ``set_process_title``: ``VLLM::APIServer``,

@@ -59,7 +59,7 @@ def load_format_requested(argv: Sequence[str] | None = None) -> bool:
     """Whether the command line (default ``sys.argv``; spawned workers inherit it) asks for our load format:
     ``--load-format diffusion-hsdp``, or ``load-format: diffusion-hsdp`` in the YAML file of vLLM's
     ``--config FILE`` (which vLLM expands into the same arguments)."""
-    from vllm_diffusion_plugin import LOAD_FORMAT
+    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
     argv = list(sys.argv if argv is None else argv)
     for i, arg in enumerate(argv):

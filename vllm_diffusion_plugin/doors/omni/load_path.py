@@ -1,226 +1,77 @@
-"""Our load path for the DiT components of a pipeline that vllm-omni builds itself.
+"""The vllm-omni door's load: the DiTs of a pipeline vllm-omni builds itself, read through a load session.
 
-vllm-omni builds the whole pipeline module with its own model classes (fused ``to_qkv``, ``ffn.net_0``, ...)
-and maps diffusers checkpoint names onto them in each model's ``load_weights``. We keep that skeleton and
-feed it our way, per DiT weight source (``model.weights_sources``):
+vllm-omni builds the whole pipeline with its own model classes (fused ``to_qkv``, ``ffn.net_0``, ...) and maps
+diffusers checkpoint names onto them in each model's ``load_weights``. Per DiT weight source
+(``model.weights_sources``) this door hands the session what only it knows -- vllm-omni's sources, its names, its
+checkpoint adapter -- and the session does the rest:
 
-    resolve (our strict manifests) -> stream our reader's tensors -> fuse LoRA into each checkpoint tensor as it
-      passes (our fusion + device rule) -> vllm-omni's model.load_weights (its names, its q/k/v stacking)
-      -> strict missing-weight check
+    resolve (strict manifests, stamps, LoRAs assigned) -> the session's stream (our reader, LoRA fused into each
+      checkpoint tensor as it passes: ``engine.fused_stream``) -> vllm-omni's model.load_weights (its names, its
+      q/k/v stacking) -> strict missing-weight check -> the report lines
 
-LoRA deltas are resolved against a ``meta`` skeleton of the component's own diffusers class (every LoRA
-format we read: PEFT/diffusers, Wan/LightX2V, kohya), so they are keyed by *checkpoint* names: fusing before
-vllm-omni's name mapping and q/k/v stacking is exact (``W_q + s B_q A_q`` is stacked like ``W_q``) and needs
-no knowledge of vllm-omni's packing. Online quantization then quantizes the fused weights as they arrive.
-
-A pre-quantized ModelOpt FP8 checkpoint (``serve_options.carried_fp8_checkpoint``) streams its FP8 weights and
-scales as they are, through vllm-omni's own ``ModelOptFp8CheckpointAdapter`` (its names, its q/k/v packing) into
-vllm-omni's FP8 layers. A LoRA targeting an FP8 weight is fused exactly (``quant_fuse.fuse_fp8_rows``): the deltas of
-every file summed in fp32, added to the dequantized weight, requantized once with a scale recomputed from the fused
-tensor; the new scale is handed on right after its weight and the checkpoint's own scale is dropped (the targeted
-layers' scales are read first: a few bytes each). vllm-omni's own distill fusion adds the delta to the FP8 parameter
-with no scale (``params.add_``), which torch refuses for FP8.
+A pre-quantized ModelOpt FP8 checkpoint streams its FP8 weights and scales as they are through vllm-omni's own
+``ModelOptFp8CheckpointAdapter`` into vllm-omni's FP8 layers; a LoRA targeting an FP8 weight is fused exactly by the
+session's fuser. ``rank_local`` (``rank_local.load_model``) traces where each checkpoint row lands and hands the
+bindings to the session instead.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
-import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.report import ComponentReport
+from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
+from vllm_diffusion_plugin.doors.omni.preflight import check_device
+from vllm_diffusion_plugin.doors.omni.serve_options import (
+    check_supported,
+    checkpoint_strategy,
+    read_threads,
+    weight_load_strategy,
+)
+from vllm_diffusion_plugin.engine.session import (
+    ComponentReport,
+    ComponentSource,
+    LoadSession,
+    LoraSpec,
+    StreamFuser,
+    WeightLoadError,
+    World,
+    accelerator_of,
+    local_device,
+    resolve_checkpoint,
+)
 
 logger = init_logger(__name__)
 
-@dataclass
-class StreamFuser:
-    """Fuses LoRA deltas (keyed by checkpoint module names) into checkpoint tensors as they stream past.
-
-    ``deltas`` holds one mapping per LoRA file, applied in order (several files for one DiT stack, as in
-    ``lora.fuse_lora_files``). A targeted tensor is copied before it is changed (never the reader's buffer). An FP8
-    weight of a pre-quantized checkpoint (``fp8_layers``) is fused exactly and hands on its new scale (:meth:`items`)."""
-
-    deltas: list[dict[str, Any]]
-    modules: frozenset[str]
-    """Module names of the component's diffusers class (a target not among them is a bare parameter)."""
-    dtype: torch.dtype
-    chunk_mb: int
-    check_finite: bool = False
-    host_weights: str = "auto"
-    stats: Any = None
-    seconds: float = 0.0
-    fp8_layers: frozenset[str] = frozenset()
-    """Module names whose checkpoint weight is FP8 with a ``weight_scale`` (``prequant.fp8_layers``)."""
-    _by_tensor: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
-    _scales: dict[str, torch.Tensor] = field(default_factory=dict)
-    _replaced: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        for per_file in self.deltas:
-            for target, delta in per_file.items():
-                if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
-                    name = f"{target}.weight" if target in self.modules else target
-                    self._by_tensor.setdefault(name, []).append((delta, "weight"))
-                if delta.bias_delta is not None:
-                    self._by_tensor.setdefault(f"{target}.bias", []).append((delta, "bias"))
-
-    def fp8_scale_keys(self) -> list[str]:
-        """The ``weight_scale`` keys of the FP8 layers a LoRA targets: read before the stream (:meth:`items`)."""
-        return sorted(f"{n.removesuffix('.weight')}.weight_scale" for n, hits in self._by_tensor.items()
-                      if n.removesuffix(".weight") in self.fp8_layers and any(p == "weight" for _, p in hits))
-
-    def items(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """What to hand on for checkpoint tensor ``name``: itself, LoRA fused; for an FP8 weight a LoRA targets,
-        the fused FP8 weight and then its new scale; a targeted FP8 layer's own scale is dropped."""
-        if name.endswith(".weight_scale") and name.removesuffix(".weight_scale") in self._replaced:
-            return  # its weight's new scale is (or will be) handed on right after that weight
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module in self._scales:
-            q, scale = self._fuse_fp8(name, tensor, self._scales.pop(module))
-            yield name, q
-            yield f"{module}.weight_scale", scale
-            return
-        yield name, self(name, tensor)
-
-    def read_fp8_scales(self, scales: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for key, scale in scales:
-            self._scales[key.removesuffix(".weight_scale")] = scale.clone()
-        self._replaced = frozenset(self._scales)
-
-    def _fuse_fp8(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every file's delta of FP8 weight ``name`` fused into private copies of it and its scale by the engine's
-        exact FP8 fusion (``prequant.fuse_fp8_layers``: summed in fp32, added once, requantized once)."""
-        from vllm_diffusion_plugin.engine.prequant import fuse_fp8_layers
-
-        start = time.perf_counter()
-        module = name.removesuffix(".weight")
-        scale_key = f"{module}.weight_scale"
-        targets = {name: q.clone(), scale_key: scale.to(q.device, copy=True)}
-        files = [{module: dataclasses.replace(delta, bias_delta=None)} for delta, _ in self._by_tensor.pop(name)]
-        stats = fuse_fp8_layers(targets, files, modules=self.modules, chunk_mb=self.chunk_mb,
-                                check_finite=self.check_finite, host_weights=self.host_weights)
-        if stats is not None:
-            self.stats = stats if self.stats is None else self.stats + stats
-        self.seconds += time.perf_counter() - start
-        return targets[name], targets[scale_key]
-
-    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        hits = self._by_tensor.pop(name, None)
-        if hits is None:
-            return tensor
-        start = time.perf_counter()
-        # the model's precision when floating (as a fusion into the module would), and always a private copy
-        tensor = tensor.to(self.dtype, copy=True) if tensor.is_floating_point() else tensor.clone()
-        for delta, part in hits:
-            if part == "bias":
-                with torch.no_grad():
-                    tensor.add_(delta.bias_delta.to(tensor.dtype))
-                continue
-            tensor = self._add(tensor, delta)
-        self.seconds += time.perf_counter() - start
-        return tensor
-
-    def _add(self, tensor: torch.Tensor, delta: Any) -> torch.Tensor:
-        """``tensor`` (a weight, owned here) with ``delta``'s weight part added in place by our fusion and device
-        rule; counts its ``FuseStats``."""
-        from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
-
-        holder = nn.Module()
-        holder.weight = nn.Parameter(tensor, requires_grad=False)
-        stats = fuse_lora(holder, {"": dataclasses.replace(delta, bias_delta=None)}, chunk_mb=self.chunk_mb,
-                          check_finite=self.check_finite, log=False, host_weights=self.host_weights)
-        self.stats = stats if self.stats is None else self.stats + stats
-        return holder.weight.data
-
-    def check_consumed(self, component: str) -> None:
-        if self._scales:
-            raise ValueError(f"FP8 weights of {component} a LoRA targets were not among its checkpoint tensors: "
-                             f"{sorted(self._scales)[:10]}")
-        if self._by_tensor:
-            raise ValueError(f"LoRA targets of {component} not found among its checkpoint tensors: "
-                             f"{sorted(self._by_tensor)[:10]}")
-
-
-def lora_fuser(source: Any, lora_files: Sequence[tuple[str, float]], *, dtype: torch.dtype, strict: bool,
-               chunk_mb: int, check_finite: bool = False, host_weights: str = "auto") -> StreamFuser | None:
-    """Normalize and validate every LoRA file for ``source`` (before any weight is read)."""
-    if not lora_files:
-        return None
-    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
-    from vllm_diffusion_plugin.engine.prequant import fp8_layers
-    from vllm_diffusion_plugin.engine.skeleton import build_component
-
-    skeleton = build_component(source, dtype=dtype, device="meta")
-    deltas = [lora.deltas for lora in prepare_lora_files(skeleton, lora_files, strict=strict, component=source.name)]
-    fp8 = fp8_layers(source)
-    return StreamFuser(deltas, modules=frozenset(name for name, _ in skeleton.named_modules()), dtype=dtype,
-                       chunk_mb=chunk_mb, check_finite=check_finite, host_weights=host_weights,
-                       fp8_layers=frozenset(fp8.layers) if fp8 is not None else frozenset())
+QUANT_SCALE_SUFFIXES = (".g_idx", ".weight_scale", ".weight_scale_inv", ".input_scale")
+STATE_ATTR = "_diffusion_hsdp_state"
+CARRIED_PIPELINE_FORMATS = (None, "default", "custom_pipeline")
+"""vllm-omni's own ``--diffusion-load-format`` values whose pipelines declare ``weights_sources`` for us to read
+(a custom pipeline without them is refused by :func:`load_dits`)."""
 
 
 @dataclass
 class DitSource:
-    """One of vllm-omni's DiT weight sources, resolved by us."""
+    """One of vllm-omni's DiT weight sources, resolved by the session."""
 
     component: str
     prefix: str
-    source: Any
+    source: ComponentSource
     fuser: StreamFuser | None
     report: ComponentReport
-    threads: int = 1
-    """Threads reading its bytes (``engine.reader``)."""
-    staging_bytes: int = 0
-    """Page-locked bytes its reads onto an accelerator stage through (``pinned_staging_mb``; 0: pageable copies)."""
     adapter: Any = None
     """vllm-omni's ``ModelOptFp8CheckpointAdapter`` for a pre-quantized ModelOpt FP8 source (its names), or None."""
-    stamps: dict = field(default_factory=dict)
-    """Its files' identities right after their headers were read (``engine.integrity.stamp``): a shard truncated
-    or replaced since is named (:func:`unchanged`)."""
-
-    def staging(self, device: torch.device | None):
-        """``reader.DeviceStaging`` for reads landing on ``device``, or None (no accelerator, 0 bytes, no pinned
-        memory on this host)."""
-        from vllm_diffusion_plugin.engine.reader import DeviceStaging
-
-        return None if device is None else DeviceStaging.open(device, max_bytes=self.staging_bytes,
-                                                              threads=self.threads)
-
-
-@contextlib.contextmanager
-def unchanged(dits: Iterable[DitSource]) -> Iterator[None]:
-    """Around a read of ``dits``' bytes (and what consumes them): a file of one that changed since stamped is named
-    (``engine.integrity.unchanged``: ``CheckpointChangedError``), whether the read failed on it or read it silently."""
-    from vllm_diffusion_plugin.engine import integrity
-
-    with contextlib.ExitStack() as stack:
-        for dit in dits:
-            stack.enter_context(integrity.unchanged(dit.stamps, component=dit.component))
-        yield
 
 
 def component_name(omni_source: Any) -> str:
     return omni_source.subfolder or omni_source.prefix.rstrip(".") or "transformer"
-
-
-def resolve_sources(omni_sources: Sequence[Any], *, allow_pickle: bool) -> list[Any]:
-    """Our validated ``ComponentSource`` for each of vllm-omni's sources (strict manifests)."""
-    from vllm_diffusion_plugin.engine.checkpoint import resolve_checkpoint
-
-    resolved = []
-    for s in omni_sources:
-        found = resolve_checkpoint(s.model_or_path, components=[s.subfolder] if s.subfolder else None,
-                                   allow_pickle=allow_pickle, revision=s.revision)
-        if len(found) != 1:
-            raise ValueError(f"{s.model_or_path} (subfolder {s.subfolder!r}) resolves to {len(found)} components")
-        resolved.append(found[0])
-    return resolved
 
 
 def is_fp8_adapter(adapter: Any) -> bool:
@@ -228,45 +79,113 @@ def is_fp8_adapter(adapter: Any) -> bool:
     return type(adapter).__name__ == "ModelOptFp8CheckpointAdapter"
 
 
-def stream(dits: Iterable[DitSource], device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every DiT's tensors, prefixed with vllm-omni's source prefix, LoRA fused, through vllm-omni's checkpoint
-    adapter where it has one; counts bytes per component. ``device``: where the DiTs' parameters are (an
-    accelerator): the tensors are handed out there, copied through pinned staging (``DitSource.staging``), so
-    vllm-omni's weight loaders copy device to device. A DiT's file that changed since stamped
-    (``DitSource.stamps``) is named once its tensors were read, or when a read failed; a failure in the consumer is
-    the caller's to check (:func:`unchanged`)."""
+def prepare(loader: Any, load_format: str | None) -> LoadSession:
+    """Every check that needs no weights, then this worker's load session: options from ``--additional-config
+    diffusion_hsdp``, combinations not carried refused, this rank's accelerator pre-flight, the strategy set on the
+    loader's own copy of ``od_config``; kept on the loader."""
+    od_config = loader.od_config
+    options = omni_load_options(loader)
+    options = dataclasses.replace(options, read_threads=read_threads(options, od_config))
+    check_supported(options, od_config)
+    world = World.current()
+    if load_format not in CARRIED_PIPELINE_FORMATS:
+        raise ValueError(f"--load-format diffusion-hsdp reads the DiTs a pipeline declares in weights_sources; "
+                         f"vllm-omni's --diffusion-load-format {load_format!r} (the diffusers adapter loads "
+                         f"itself, dummy weights read nothing) is not carried: drop one of them")
+    strategy = weight_load_strategy(options, od_config)
+    if strategy != "full" and world.world_size == 1:
+        logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
+        strategy = "full"
+    strategy = checkpoint_strategy(loader.quant_config, strategy)
+    session = LoadSession(options, device=local_device(), dtype=od_config.dtype, world=world, strategy=strategy)
+    check_device(session, od_config)  # this rank's accelerator, before vllm-omni builds anything
+    session.watch(f"diffusion worker {world.rank}'s load and first run", whole_process=True)
+    ours = {"enable_broadcast_weight_load": strategy == "broadcast"}
+    if getattr(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
+        ours["hsdp_weight_load_strategy"] = "full"  # never upstream's pre-sharded load (no LoRA, no stacked q/k/v)
+    if any(getattr(od_config, key, False) != value for key, value in ours.items()):
+        loader.od_config = copy.copy(od_config)
+        for key, value in ours.items():
+            setattr(loader.od_config, key, value)
+    # before vllm-omni builds the pipeline: full/broadcast fill the DiTs it builds (some of their layers it
+    # initializes); rank_local frees them and takes its own once they are on meta (rank_local.load_model)
+    session.mark_baseline()
+    setattr(loader, STATE_ATTR, {"session": session, "options": options, "strategy": strategy,
+                                 "report": session.report})
+    return session
+
+
+def session_of(loader: Any) -> LoadSession | None:
+    """The worker's load session, once :func:`prepare` ran for ``loader`` (None before)."""
+    state = getattr(loader, STATE_ATTR, None)
+    return state["session"] if state is not None else None
+
+
+def prepare_dits(loader: Any, model: Any, sources=None) -> list[DitSource]:
+    """``model``'s DiT sources resolved by the session (strict manifests, stamps), their LoRA files validated
+    against each DiT's diffusers skeleton, one report entry each. Nothing is read."""
+    session = session_of(loader) or prepare(loader, "default")
+    omni_sources = list(sources if sources is not None else loader._get_weight_sources(model))
+    if not omni_sources:
+        raise ValueError(f"{type(model).__name__} declares no weight sources; --load-format diffusion-hsdp loads "
+                         f"pipelines whose DiTs are diffusers folders")
+    adapters = [loader._get_checkpoint_adapter(model, s, True) for s in omni_sources]
+    for s, adapter in zip(omni_sources, adapters):
+        if adapter is not None and not is_fp8_adapter(adapter):
+            raise ValueError(f"{type(model).__name__}.{component_name(s)} needs vllm-omni's checkpoint "
+                             f"adapter {type(adapter).__name__}, which --load-format diffusion-hsdp does not carry")
+    names = [component_name(s) for s in omni_sources]
+    resolved = [_resolve(s, name, allow_pickle=session.options.allow_pickle) for s, name in zip(omni_sources, names)]
+    session.adopt(resolved, dits=names, lora_specs=_lora_specs(loader.od_config, session.options, names))
+    return [DitSource(name, s.prefix, source, session.stream_fuser(source, dtype=loader.od_config.dtype),
+                      session.component(source), adapter=adapter)
+            for s, name, source, adapter in zip(omni_sources, names, resolved, adapters)]
+
+
+def _resolve(omni_source: Any, name: str, *, allow_pickle: bool) -> ComponentSource:
+    """Our validated ``ComponentSource`` of one of vllm-omni's sources (strict manifests), named ``name``."""
+    found = resolve_checkpoint(omni_source.model_or_path, allow_pickle=allow_pickle, revision=omni_source.revision,
+                               components=[omni_source.subfolder] if omni_source.subfolder else None)
+    if len(found) != 1:
+        raise ValueError(f"{omni_source.model_or_path} (subfolder {omni_source.subfolder!r}) resolves to "
+                         f"{len(found)} components")
+    return dataclasses.replace(found[0], name=name)
+
+
+def stream(session: LoadSession, dits: Iterable[DitSource],
+           device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every DiT's tensors from the session's stream (LoRA fused, counted), prefixed with vllm-omni's source prefix,
+    through vllm-omni's checkpoint adapter where it has one. ``device``: where the DiTs' parameters are (an
+    accelerator): the tensors are handed out there through pinned staging, so vllm-omni copies device to device."""
     for dit in dits:
-        tensors = _stream_one(dit, device)
+        tensors = ((dit.prefix + name, tensor) for name, tensor in
+                   session.stream(dit.source, entry=dit.report, fuser=dit.fuser, device=device))
         yield from (dit.adapter.adapt(tensors) if dit.adapter is not None else tensors)
 
 
-def _stream_one(dit: DitSource, device: torch.device | None) -> Iterator[tuple[str, torch.Tensor]]:
-    from vllm_diffusion_plugin.engine.weights import LoadStats, iterate_weights
-
-    stats, start = LoadStats(), time.perf_counter()
-    with unchanged([dit]):
-        if dit.fuser is not None and (keys := dit.fuser.fp8_scale_keys()):
-            dit.fuser.read_fp8_scales(iterate_weights(dit.source, stats=stats, keys=keys))
-        for name, tensor in iterate_weights(dit.source, stats=stats, threads=dit.threads,
-                                            staging=dit.staging(device)):
-            if dit.fuser is None:
-                yield dit.prefix + name, tensor
-                continue
-            for fused_name, fused in dit.fuser.items(name, tensor):
-                yield dit.prefix + fused_name, fused
-    dit.report.bytes_read, dit.report.tensors = stats.total_bytes, stats.tensors
-    if dit.fuser is not None:
-        dit.fuser.check_consumed(dit.component)
-        dit.report.record_lora(dit.fuser.stats, dit.fuser.seconds)
-    dit.report.read_s = time.perf_counter() - start - dit.report.lora_s
+def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_cpu: bool = False) -> None:
+    """``full`` / ``broadcast`` (rank 0): ``model``'s DiT sources streamed into vllm-omni's ``load_weights``."""
+    session = session_of(loader) or prepare(loader, "default")
+    dits = prepare_dits(loader, model, sources)
+    expected = loader._get_expected_parameter_names(model)
+    device = None if stream_online_quant_to_cpu else accelerator_of(
+        model.get_submodule(dit.prefix.rstrip(".")) if dit.prefix else model for dit in dits)
+    weights = stream(session, dits, device)
+    if stream_online_quant_to_cpu:
+        weights = loader._stream_online_quant_weights_to_cpu(model, weights)
+    with session.reading(*(dit.component for dit in dits)):  # a shard truncated or replaced since: named
+        loaded = model.load_weights(weights)
+    check_loaded(model, expected, None if loaded is None else set(loaded),
+                 quantized=loader.quant_config is not None, exempt_suffixes=QUANT_SCALE_SUFFIXES)
+    if any(dit.adapter is not None for dit in dits):
+        check_fp8_scales_loaded(model)
+    mark_fused(loader, model)
 
 
 def check_fp8_scales_loaded(model: nn.Module) -> None:
     """Raise naming every FP8 layer of ``model`` (vllm-omni's) whose ``weight_scale`` kept its unloaded sentinel: the
     checkpoint stores that layer unquantized (ModelOpt's ``exclude_modules``) but vllm-omni built it as FP8 (the
     exclusion did not reach its layer), so its weight was cast to FP8 with no scale."""
-    from vllm_diffusion_plugin.engine.weights import WeightLoadError
-
     sentinel = torch.finfo(torch.float32).min
     bad = [name for name, module in model.named_modules()
            if isinstance(getattr(module, "weight_scale", None), torch.Tensor)
@@ -283,8 +202,6 @@ def check_fp8_scales_loaded(model: nn.Module) -> None:
 def check_loaded(model: nn.Module, expected: set[str], loaded: set[str] | None, *, quantized: bool,
                  exempt_suffixes: tuple[str, ...]) -> None:
     """Our strict rule on vllm-omni's names: every expected parameter loaded (quant-only scales excepted)."""
-    from vllm_diffusion_plugin.engine.weights import WeightLoadError
-
     if loaded is None:
         raise WeightLoadError(f"{type(model).__name__}.load_weights returned no loaded-weight names; "
                               f"--load-format diffusion-hsdp cannot check that every weight was loaded")
@@ -295,3 +212,36 @@ def check_loaded(model: nn.Module, expected: set[str], loaded: set[str] | None, 
         listing = ", ".join(sorted(missing)[:20]) + (f" (and {len(missing) - 20} more)" if len(missing) > 20 else "")
         raise WeightLoadError(f"{len(missing)} parameter(s) of {type(model).__name__} were not in the checkpoint: "
                               f"{listing}")
+
+
+def mark_fused(loader: Any, model: Any) -> None:
+    if _omni_distill_loras(loader.od_config):
+        model.lora_is_fused = True  # fused with our rule; vllm-omni must not fuse them again
+
+
+def _omni_distill_loras(od_config: Any) -> list[str]:
+    backend = getattr(od_config, "lora_backend", None)
+    if getattr(backend, "value", backend) != "distill":
+        return []
+    paths = getattr(od_config, "lora_path", None) or []
+    return [paths] if isinstance(paths, str) else list(paths)
+
+
+def _lora_specs(od_config: Any, options: Any, components: Sequence[str]) -> list[LoraSpec]:
+    """Our ``lora_path`` entries, then vllm-omni's own distilled LoRAs (``--lora-path`` with ``--lora-backend
+    distill``), by position as vllm-omni assigns them to ``components``."""
+    specs = [LoraSpec.parse(text, default_scale=options.lora_scale) for text in options.lora_path]
+    distill = _omni_distill_loras(od_config)
+    if distill:
+        scale = getattr(od_config, "lora_scale", 1.0)
+        if scale != 1.0:
+            raise ValueError(f"vllm-omni's --lora-scale {scale} with --lora-backend distill has no effect in "
+                             f"vllm-omni; with --load-format diffusion-hsdp give the scale as PATH@SCALE in "
+                             f"--additional-config diffusion_hsdp lora_path")
+        if len(distill) > 1 and len(distill) != len(components):
+            raise ValueError(f"vllm-omni's --lora-path has {len(distill)} files for {len(components)} DiTs "
+                             f"({', '.join(components)}); give one per DiT, in order")
+        named = components if len(distill) == len(components) else [None] * len(distill)
+        specs += [LoraSpec.parse(path) if name is None else LoraSpec(LoraSpec.parse(path).path, 1.0, name)
+                  for path, name in zip(distill, named)]
+    return specs

@@ -69,7 +69,7 @@ def _wrap(original):
 
 def keep_load_format(load_format: Any, result: Any) -> Any:
     """``result`` (``_normalize_default_diffusion``'s) with our ``load_format`` in its engine arguments."""
-    from vllm_diffusion_plugin import LOAD_FORMAT
+    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
     if not (isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT):
         return result

@@ -81,8 +81,8 @@ def _wrap(original):
 def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, stage: Any = None) -> dict[str, Any]:
     """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check;
     ``stage``: the stage's engine arguments they came from (vllm-omni's parallel options among them)."""
-    from vllm_diffusion_plugin import LOAD_FORMAT
     from vllm_diffusion_plugin.doors.omni import preflight, serve_options
+    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
     additional = dict(diffusion_kwargs.get("additional_config") or {})
     ours = isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT

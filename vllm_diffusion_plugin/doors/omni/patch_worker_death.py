@@ -52,7 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
+from vllm_diffusion_plugin.doors.omni._patching import (
+    is_patched,
+    mark,
+    require_attr,
+    require_params,
+)
 
 logger = init_logger(__name__)
 
@@ -208,7 +213,7 @@ def describe_dead(settle_s: float = SETTLE_S, *, errors: Path | None = None) -> 
               if p.exitcode is not None and p.exitcode > 0 and rank not in recorded]
     if not killed and not failed and not recorded:
         return None
-    from vllm_diffusion_plugin.doors.launcher import signal_words
+    from vllm_diffusion_plugin.doors.cli.launcher import signal_words
 
     parts = [f"diffusion worker rank {rank} died of {signal_words(signum)}" for rank, signum in killed]
     by_error: dict[str, list[int]] = {}

@@ -21,6 +21,26 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from vllm_diffusion_plugin import envs
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni.serve_options import (
+    field_of,
+    quant_name,
+    weight_load_strategy,
+)
+from vllm_diffusion_plugin.engine.session import (
+    HSDPConfig,
+    LoraSpec,
+    accelerator_type,
+    check_plan,
+    free_memory,
+    online_fp8_hook,
+    plan_load,
+    private_rss,
+)
+
+logger = init_logger(__name__)
+
 HOW = '"preflight": "warn" in --additional-config diffusion_hsdp (or VLLM_DIFFUSION_PREFLIGHT=warn)'
 
 
@@ -41,10 +61,6 @@ def _parallel(od_config: Any) -> Any:
 def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
     import torch
 
-    from vllm_diffusion_plugin.doors.omni.serve_options import weight_load_strategy
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
-    from vllm_diffusion_plugin.engine.plan import plan_load
 
     parallel = _parallel(od_config)
     world = int(getattr(parallel, "world_size", 1) or 1)
@@ -64,56 +80,26 @@ def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
     return dataclasses.replace(plan, views_files=False), strategy if world > 1 else "full"
 
 
-ONLINE_FP8 = {"fp8": False, "torch_fp8": False, "torch_fp8_per_channel": True}
-"""Online quantization methods whose DiT linears end as an fp8 ``[out, in]`` weight and a scale (per channel or
-not): planned at their quantized size. Any other method is planned in the load dtype (an over-estimate)."""
-
-
 def _online_fp8(od_config: Any):
-    """The plan's ``quantization`` hook for the stage's online fp8 method (None: none, or another method): every
-    linear of the DiTs' FSDP blocks an online fp8 layer on the ``meta`` skeleton."""
-    from vllm_diffusion_plugin.doors.omni.serve_options import _get, _quant_name
-
-    quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
-    per_channel = ONLINE_FP8.get(_quant_name(quantization)) if quantization else None
-    if per_channel is None:
-        return None
-
-    def on_meta(module) -> None:
-        from torch import nn
-
-        from vllm_diffusion_plugin.engine.fp8_layer import Fp8Linear, Fp8RowMethod
-        from vllm_diffusion_plugin.engine.hsdp import select_blocks
-
-        class OnlineFp8(Fp8RowMethod):
-            uses_meta_device = True  # quantized after loading, as vLLM's online methods
-
-        blocks = tuple(f"{name}." for name in select_blocks(module).names)
-        for name, sub in module.named_modules():
-            if type(sub) is nn.Linear and name.startswith(blocks):
-                sub.__class__, sub.quant_method = Fp8Linear, OnlineFp8(per_channel)
-
-    return on_meta
+    """The plan's ``quantization`` hook for the stage's online fp8 method (None: none, or another method)."""
+    quantization = field_of(od_config, "quantization_config", None) or field_of(od_config, "quantization", None)
+    return online_fp8_hook(quant_name(quantization)) if quantization else None
 
 
 def _plan_or_none(options: Any, od_config: Any, *, model: str, device_type: str):
     """``_plan``, or None (logged) where this folder cannot be planned: a pipeline vllm-omni runs may hold a DiT
     whose class diffusers lacks; its load is then left to the workers, as before the pre-flight."""
-    from vllm_diffusion_plugin.engine import preflight
-
     try:
         return _plan(options, od_config, model=model, device_type=device_type)
     except Exception as exc:
-        preflight.logger.warning("pre-flight skipped: %s cannot be planned (%s)", model,
+        logger.warning("pre-flight skipped: %s cannot be planned (%s)", model,
                                  str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None
 
 
 def _device_type() -> str:
-    from vllm_diffusion_plugin import envs
-    from vllm_diffusion_plugin.engine import platform
 
-    return "cpu" if envs.get("VLLM_DIFFUSION_OMNI_CPU") else platform.accelerator_type() or "cpu"
+    return "cpu" if envs.get("VLLM_DIFFUSION_OMNI_CPU") else accelerator_type() or "cpu"
 
 
 def check_host(options: Any, od_config: Any) -> None:
@@ -122,41 +108,21 @@ def check_host(options: Any, od_config: Any) -> None:
     model = od_config.get("model") if isinstance(od_config, dict) else getattr(od_config, "model", None)
     if options.preflight == "off" or not model or not Path(str(model)).is_dir():
         return
-    import time
-
-    from vllm_diffusion_plugin.engine import preflight
-
-    started = time.perf_counter()
     planned = _plan_or_none(options, od_config, model=str(model), device_type=_device_type())
-    if planned is None:
-        return
-    plan, strategy = planned
-    starting = plan.world_size * preflight.private_rss()
-    host = preflight.host_available()
-    preflight.enforce([preflight.check_host(plan, strategy, host=host, starting=starting)], mode=options.preflight,
-                      how=HOW)
-    need, ranks = plan.node_host_need(strategy)
-    preflight.logger.info("pre-flight: hsdp_weight_load=%r on %d diffusion rank(s): host peak %s (%s before their "
-                          "loads) of %s available (%s; %.2f s)", strategy, len(ranks), preflight.size_text(need),
-                          preflight.size_text(starting), preflight.size_text(host.available if host else None),
-                          host.source if host else "-", time.perf_counter() - started)
+    if planned is not None:
+        plan, strategy = planned
+        check_plan(plan, strategy, mode=options.preflight, how=HOW, host=True,
+                   starting=plan.world_size * private_rss())
 
 
-def check_device(options: Any, od_config: Any) -> None:
+def check_device(session: Any, od_config: Any) -> None:
     """A worker's pre-flight for its accelerator, before vllm-omni builds its pipeline (nothing on the CPU)."""
     model = getattr(od_config, "model", None)
-    if options.preflight == "off" or not model or not Path(str(model)).is_dir() or _device_type() == "cpu":
+    options = session.options
+    if options.preflight == "off" or not model or not Path(str(model)).is_dir() or _device_type() == "cpu" \
+            or free_memory(session.device) is None:
         return
-    from vllm_diffusion_plugin.engine import platform, preflight
-    from vllm_diffusion_plugin.engine.pipeline import World
-
-    device = platform.local_device()
-    free = platform.free_memory(device)
-    if free is None:
-        return
-    planned = _plan_or_none(options, od_config, model=str(model), device_type=device.type)
-    if planned is None:
-        return
-    plan, strategy = planned
-    problem = preflight.check_device(plan, strategy, rank=World.current().rank, free=free)
-    preflight.enforce([problem], mode=options.preflight, how=HOW)
+    planned = _plan_or_none(options, od_config, model=str(model), device_type=session.device.type)
+    if planned is not None:
+        plan, strategy = planned
+        session.preflight(plan, strategy=strategy, how=HOW)

@@ -24,18 +24,29 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni.rank_local_prequant import DequantizedBinding, scale_key
-from vllm_diffusion_plugin.engine.strategies.base import DistributedLoadError
-from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
+from vllm_diffusion_plugin.doors.omni import load_path
+from vllm_diffusion_plugin.engine.session import (
+    DequantizedBinding,
+    DistributedLoadError,
+    RowBinding,
+    RowLoad,
+    WeightLoadError,
+    bind,
+    materialize_local_shards,
+    row_layers,
+    scale_key,
+    status_memory,
+    to_row_layout,
+)
 
 logger = init_logger(__name__)
 
@@ -183,8 +194,6 @@ def trace_bindings(model: nn.Module, dits: Sequence[Any]) -> tuple[dict[str, lis
 
 def check_coverage(dit: Any, module: nn.Module, bindings: Sequence[RowBinding]) -> None:
     """Every parameter of ``module`` (``dit``'s) is covered by bound rows exactly once, or raise naming it."""
-    from vllm_diffusion_plugin.engine.weights import WeightLoadError
-
     spans: dict[str, list[tuple[int, int]]] = {}
     for b in bindings:
         spans.setdefault(b.target, []).append((b.start, None if b.rows is None else b.start + b.rows))
@@ -241,7 +250,6 @@ def _shard_on_meta(module: nn.Module, hsdp_config: Any, device: torch.device) ->
     moves with ``.to(device)``, which a meta tensor cannot do: those are allocated on ``device`` first."""
     from vllm_omni.diffusion.distributed.hsdp import apply_hsdp_to_model
 
-    from vllm_diffusion_plugin.engine.strategies.rank_local import materialize_local_shards
 
     kept = []
     for name in getattr(module, "_hsdp_ignored_modules", None) or ():
@@ -280,27 +288,19 @@ def _memory(step: str) -> None:
     """DEBUG: this rank's resident and peak host memory after ``step`` (``VLLM_LOGGING_LEVEL=DEBUG``)."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
-    from vllm_diffusion_plugin.engine.report import status_memory
 
     if memory := status_memory():
         logger.debug("rank_local memory after %s: VmRSS %.2f GiB, VmHWM %.2f GiB", step,
                      memory.get("VmRSS", 0) / 2**30, memory.get("VmHWM", 0) / 2**30)
 
 
-def load_model(loader: Any, prepare, *, target_device: torch.device | None, load_format: str,
-               custom_pipeline_name: Any, report: Any = None) -> nn.Module:
-    """vllm-omni's HSDP load of a pipeline with every DiT read rank-locally (see the module doc).
-
-    ``prepare(model)``: the pipeline's DiT sources as ``load_path.DitSource`` (resolved, LoRA validated).
-    ``report`` (a ``LoadReport``): its ``baseline_rss_bytes`` is this rank's RSS once the DiTs vllm-omni built are
+def load_model(loader: Any, session: Any, *, target_device: torch.device | None, load_format: str,
+               custom_pipeline_name: Any) -> nn.Module:
+    """vllm-omni's HSDP load of a pipeline with every DiT read rank-locally (see the module doc), through this
+    worker's load ``session``: its ``baseline_rss_bytes`` is this rank's RSS once the DiTs vllm-omni built are
     released to ``meta`` (its construction initializes some of their layers: ~0.47 GB per A14B-width DiT)."""
-    from torch.distributed.tensor import DTensor
     from vllm_omni.diffusion.distributed.hsdp import HSDPInferenceConfig
     from vllm_omni.diffusion.offloader.module_collector import ModuleDiscovery
-
-    from vllm_diffusion_plugin.doors.omni import load_path, rank_local_prequant, rank_local_quant
-    from vllm_diffusion_plugin.engine import quant_shards
-    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows, read_bound_rows
 
     device = target_device if target_device is not None else torch.device("cpu")
     parallel = loader.parallel_config
@@ -309,33 +309,28 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     _memory("start")
     model = loader._init_from_load_format(load_format, device, custom_pipeline_name, is_hsdp=True)
     _memory("pipeline constructed")
-    sources = prepare(model)
     discovered = ModuleDiscovery.discover(model)
-    dits, whole = split_sources(model, sources, discovered.outermost_dits())
+    dits, whole = split_sources(model, load_path.prepare_dits(loader, model), discovered.outermost_dits())
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
-    quantized = rank_local_quant.find_layers(modules, dits)  # online quant: refused here unless row-wise
-    prequantized = rank_local_prequant.find_layers(modules, dits)  # FP8 checkpoints: the same
+    layers = {dit.component: row_layers(modules[dit.component], prefix=dit.prefix) for dit in dits}
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
     _memory("DiTs released to meta")
-    if report is not None:
-        from vllm_diffusion_plugin.engine.report import status_memory
-
-        report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
+    session.mark_baseline()
     bindings, loaded = trace_bindings(model, dits)
     _memory("bindings traced")
     if whole:  # e.g. FLUX.1's T5 encoder: not sharded by vllm-omni, so every rank reads all of it
-        with load_path.unchanged(whole):
-            whole_loaded = model.load_weights(load_path.stream(whole))
+        with session.reading(*(dit.component for dit in whole)):
+            whole_loaded = model.load_weights(load_path.stream(session, whole))
         loaded = None if loaded is None or whole_loaded is None else loaded | set(whole_loaded)
     load_path.check_loaded(model, loader._get_expected_parameter_names(model), loaded, quantized=False,
                            exempt_suffixes=())
     for dit in dits:
         check_coverage(dit, modules[dit.component], bindings[dit.component])
-        rank_local_prequant.bind(prequantized[dit.component], bindings[dit.component], dit.source)
+        bind(layers[dit.component][1], bindings[dit.component], dit.source)
     for dit in dits:
         module = modules[dit.component]
-        quant_shards.to_quantized_layout(module, quantized[dit.component], prefix=dit.prefix)
-        rank_local_prequant.to_final_layout(module, prequantized[dit.component], prefix=dit.prefix)
+        quantized, prequantized = layers[dit.component]
+        to_row_layout(module, prefix=dit.prefix, quantized=quantized, prequantized=prequantized)
         _shard_on_meta(module, hsdp_config, device)
         with torch.no_grad():
             for name, value in buffers[dit.component].items():
@@ -343,44 +338,10 @@ def load_model(loader: Any, prepare, *, target_device: torch.device | None, load
     _memory("sharded on meta, local shards allocated")
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     for dit in dits:
-        start = time.perf_counter()
-        layers, deltas = quantized[dit.component], dit.fuser.deltas if dit.fuser is not None else []
-        fp8 = prequantized[dit.component]
-        into = {layer.weight for layer in layers}
-        plain = [b for b in bindings[dit.component] if b.target not in into | rank_local_prequant.unread_targets(fp8)
-                 and not isinstance(b, DequantizedBinding)]
-        with load_path.unchanged([dit]):  # a shard truncated or replaced since its header was read: named
-            keys, stats = read_bound_rows(dit.source, plain, targets, threads=dit.threads,
-                                          staging=dit.staging(device))
-            bytes_read, lora, lora_s = stats.total_bytes, None, 0.0
-            if fp8_targets := rank_local_prequant.fp8_targets(fp8, bindings[dit.component]):
-                deltas, fp8_deltas = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules,
-                                                                   fp8_targets) if dit.fuser is not None else ([], [])
-                more, nbytes, lora, lora_s = rank_local_prequant.finish(dit, modules[dit.component], fp8,
-                                                                        bindings[dit.component], targets, fp8_deltas)
-                keys, bytes_read = keys | more, bytes_read + nbytes
-            if layers:
-                deltas, _ = rank_local_quant.split_deltas(deltas, bindings[dit.component], dit.fuser.modules,
-                                                          into) if dit.fuser is not None else ([], [])
-                more, nbytes, lora, _ = rank_local_quant.quantize_dit(dit, modules[dit.component], layers,
-                                                                      bindings[dit.component], targets,
-                                                                      dit.fuser.deltas if dit.fuser else [], device)
-                keys, bytes_read = keys | more, bytes_read + nbytes
-        dit.report.bytes_read, dit.report.tensors = bytes_read, len(keys)
-        dit.report.read_s = time.perf_counter() - start - lora_s
-        unbound = sorted(set(dit.source.tensors) - keys)
-        if unbound:
-            logger.warning("%d checkpoint tensor(s) of %s (%s) go into no parameter of %s and were not read: %s",
-                           len(unbound), dit.component, dit.source.folder, type(model).__name__,
-                           ", ".join(unbound[:20]))
-        if dit.fuser is not None and any(deltas):
-            start = time.perf_counter()
-            fused = fuse_bound_rows(targets, plain, [d for d in deltas if d], modules=dit.fuser.modules,
-                                    chunk_mb=dit.fuser.chunk_mb, check_finite=dit.fuser.check_finite,
-                                    host_weights=dit.fuser.host_weights)
-            dit.report.record_lora(fused if lora is None else lora + fused, time.perf_counter() - start + lora_s)
-        elif lora is not None:
-            dit.report.record_lora(lora, lora_s)
+        quantized, prequantized = layers[dit.component]
+        rows = RowLoad(dit.component, dit.prefix, modules[dit.component], bindings[dit.component], targets, device,
+                       quantized=quantized, prequantized=prequantized)
+        session.load_rows(dit.source, entry=dit.report, rows=rows, fuser=dit.fuser)
         _memory(f"{dit.component} read and fused")
     on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)
                and (t.to_local() if isinstance(t, DTensor) else t).is_meta]

@@ -34,6 +34,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from vllm_diffusion_plugin.doors import omni
 from vllm_diffusion_plugin.doors.omni.regression_probe import PROBE_ENV
 
 DEFAULT_TESTS = (
@@ -109,8 +110,6 @@ class Report:
 def declared_differences() -> list[Declaration]:
     """Every ``EXPECTED_UPSTREAM_TEST_DIFFERENCES`` entry of the vllm-omni patch units (imports no vllm-omni).
     An entry's value is the reason, or ``(reason, failure message pattern)``."""
-    from vllm_diffusion_plugin.doors import omni
-
     found = []
     for name in omni.PATCH_UNITS:
         unit = importlib.import_module(f"{omni.__name__}.{name}")

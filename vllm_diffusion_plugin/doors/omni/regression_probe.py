@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from vllm_diffusion_plugin.doors.omni import patch_status
+
 PROBE_ENV = "VLLM_DIFFUSION_REGRESSION_PROBE"
 _load_error: str | None = None
 
@@ -37,7 +39,6 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     path = os.environ.get(PROBE_ENV)
     if not path:
         return
-    from vllm_diffusion_plugin.doors.omni import patch_status
 
     omni = sys.modules.get("vllm_omni")
     record = {

@@ -17,6 +17,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
+from vllm_diffusion_plugin.engine.io.checkpoint import (
+    is_transformer,
+    resolve_checkpoint,
+)
+from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
+from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
+from vllm_diffusion_plugin.engine.session import prepare_loras
 
 logger = init_logger(__name__)
 
@@ -40,8 +48,6 @@ OFFLOAD_FIELDS = ("enable_cpu_offload", "enable_layerwise_offload", "enable_dist
 
 def omni_options(additional_config: Mapping[str, Any] | None, *, origin: str = ORIGIN):
     """Our ``LoadOptions`` from ``additional_config[OPTIONS_KEY]`` (env fallbacks apply), or raise naming the key."""
-    from vllm_diffusion_plugin.engine.config import LoadOptions
-
     raw = (additional_config or {}).get(OPTIONS_KEY) or {}
     if not isinstance(raw, Mapping):
         raise TypeError(f"{origin} must be a JSON object of load options, got {type(raw).__name__} {raw!r}")
@@ -61,7 +67,6 @@ def check_lora_entries(options: Any, model: Any) -> None:
     import json
     from pathlib import Path
 
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
 
     specs = [(text, LoraSpec.parse(text, default_scale=options.lora_scale)) for text in options.lora_path]
     for text, spec in specs:
@@ -90,10 +95,8 @@ def check_lora_files(options: Any, od_config: Any) -> None:
 
     import torch
 
-    from vllm_diffusion_plugin.engine.checkpoint import is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras, prepare_loras
 
-    model = _get(od_config, "model", None)
+    model = field_of(od_config, "model", None)
     if not options.lora_path or not model or not Path(str(model)).is_dir():
         return
     dits = [s for s in resolve_checkpoint(str(model), allow_pickle=options.allow_pickle) if is_transformer(s)]
@@ -106,8 +109,6 @@ def check_lora_files(options: Any, od_config: Any) -> None:
 
 def carried(od_config: Any) -> bool:
     """Whether vllm-omni's diffusion config carries ``--load-format diffusion-hsdp`` (see ``patch_serve_flag``)."""
-    from vllm_diffusion_plugin import LOAD_FORMAT
-
     additional = getattr(od_config, "additional_config", None) or {}
     return isinstance(additional, Mapping) and additional.get(CARRIED_KEY) == LOAD_FORMAT
 
@@ -118,9 +119,9 @@ def weight_load_strategy(options: Any, od_config: Any) -> str:
     after 0.30: meta-first shards, each rank reads its slices) means ``rank_local``."""
     if options.hsdp_weight_load != "full":
         return options.hsdp_weight_load
-    if bool(_get(od_config, "enable_broadcast_weight_load", False)):
+    if bool(field_of(od_config, "enable_broadcast_weight_load", False)):
         return "broadcast"
-    if _get(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
+    if field_of(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
         return "rank_local"
     return "full"
 
@@ -130,9 +131,9 @@ def read_threads(options: Any, od_config: Any) -> int:
     own reading threads: ``--num-weight-load-threads`` (default 4), 1 with ``enable_multithread_weight_load`` off."""
     if options.read_threads is not None:
         return options.read_threads
-    if not _get(od_config, "enable_multithread_weight_load", True):
+    if not field_of(od_config, "enable_multithread_weight_load", True):
         return 1
-    threads = _get(od_config, "num_weight_load_threads", None)
+    threads = field_of(od_config, "num_weight_load_threads", None)
     return options.threads if threads is None else max(1, int(threads))
 
 
@@ -142,28 +143,28 @@ def refusals(options: Any, od_config: Any) -> list[str]:
     ``od_config`` is vllm-omni's ``OmniDiffusionConfig`` or the mapping of its fields (API server)."""
     problems = []
     strategy = weight_load_strategy(options, od_config)
-    if strategy == "broadcast" and _get(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
+    if strategy == "broadcast" and field_of(od_config, "hsdp_weight_load_strategy", "full") == "pre_sharded":
         ours = "hsdp_weight_load='broadcast'" if options.hsdp_weight_load == "broadcast" else \
             "vllm-omni's --enable-broadcast-weight-load"
         problems.append(f"{ours} together with vllm-omni's --hsdp-weight-load-strategy pre_sharded (rank 0 reading "
                         f"for all, or each rank its own rows: pre_sharded alone is our 'rank_local', which fuses "
                         f"LoRAs and loads stacked q/k/v; drop one of the two)")
-    quantization = _get(od_config, "quantization_config", None) or _get(od_config, "quantization", None)
-    if strategy == "rank_local" and quantization and _quant_name(quantization) not in _row_wise_methods():
-        problems.append(f"vllm-omni's quantization {_quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
+    quantization = field_of(od_config, "quantization_config", None) or field_of(od_config, "quantization", None)
+    if strategy == "rank_local" and quantization and quant_name(quantization) not in _row_wise_methods():
+        problems.append(f"vllm-omni's quantization {quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
                         f"(each rank quantizes its own rows, which needs a method that declares how -- "
-                        f"engine.quant_shards' row protocol; {_quant_name(quantization)!r} quantizes whole "
+                        f"engine.quant.online's row protocol; {quant_name(quantization)!r} quantizes whole "
                         f"tensors: use 'full')")
     for name in OFFLOAD_FIELDS:
-        if _get(od_config, name, False):
+        if field_of(od_config, name, False):
             problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")
-    if str(_get(od_config, "host_weight_runtime_mode", "disabled") or "disabled") != "disabled":
+    if str(field_of(od_config, "host_weight_runtime_mode", "disabled") or "disabled") != "disabled":
         problems.append("vllm-omni's host_weight_runtime_mode (the host weight runtime)")
-    pipeline_format = _get(od_config, "diffusion_load_format", "default") or "default"
+    pipeline_format = field_of(od_config, "diffusion_load_format", "default") or "default"
     if pipeline_format in ("diffusers", "dummy"):
         problems.append(f"vllm-omni's --diffusion-load-format {pipeline_format} (its pipeline reads no DiT "
                         f"weights through the loader)")
-    if _get(od_config, "diffusion_offload_config", None):
+    if field_of(od_config, "diffusion_offload_config", None):
         problems.append("vllm-omni's diffusion_offload_config (offload plans)")
     return problems
 
@@ -171,7 +172,7 @@ def refusals(options: Any, od_config: Any) -> list[str]:
 def check_supported(options: Any, od_config: Any) -> None:
     """Raise naming a bad ``lora_path`` entry (:func:`check_lora_entries`), or one error listing every combination
     :func:`refusals` finds."""
-    check_lora_entries(options, _get(od_config, "model", None))
+    check_lora_entries(options, field_of(od_config, "model", None))
     problems = refusals(options, od_config)
     if problems:
         raise ValueError("--load-format diffusion-hsdp under vllm-omni cannot be combined with: "
@@ -228,12 +229,10 @@ def checkpoint_strategy(quant_config: Any, strategy: str = "full") -> str:
 
 
 def _row_wise_methods() -> set[str]:
-    from vllm_diffusion_plugin.engine.quant_shards import ROW_WISE_METHODS
-
     return ROW_WISE_METHODS
 
 
-def _quant_name(quantization: Any) -> str:
+def quant_name(quantization: Any) -> str:
     if isinstance(quantization, str):
         return quantization
     if isinstance(quantization, Mapping):
@@ -241,7 +240,9 @@ def _quant_name(quantization: Any) -> str:
     return quantization.get_name() if hasattr(quantization, "get_name") else type(quantization).__name__
 
 
-def _get(config: Any, name: str, default: Any) -> Any:
+def field_of(config: Any, name: str, default: Any) -> Any:
+    """``config``'s field ``name`` -- vllm-omni's ``OmniDiffusionConfig`` or, in the API server, the mapping of its
+    fields -- or ``default``."""
     if isinstance(config, Mapping):
         return config.get(name, default)
     return getattr(config, name, default)

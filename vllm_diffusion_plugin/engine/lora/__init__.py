@@ -13,20 +13,6 @@ or, step by step: ``load_lora`` -> ``normalize_lora`` (validates everything, tou
 ``fuse_lora`` / ``unfuse_lora``.
 """
 
-from vllm_diffusion_plugin.engine.lora.normal import normalize_lora
-from vllm_diffusion_plugin.engine.lora.types import (
-    LoraConversionError,
-    LoraDelta,
-    LoraFile,
-    LoraFormatError,
-    LoraRankError,
-    LoraShapeError,
-    NonFiniteLoraError,
-    PartialPackedLoraError,
-    UnmatchedLoraKeysError,
-    UnsupportedLoraError,
-)
-from vllm_diffusion_plugin.engine.lora.peft import load_lora, load_lora_state_dict
 from vllm_diffusion_plugin.engine.lora.fuse import (
     FuseStats,
     LoraFusionError,
@@ -40,8 +26,22 @@ from vllm_diffusion_plugin.engine.lora.fuse import (
     resolve_compute_device,
     unfuse_lora,
 )
+from vllm_diffusion_plugin.engine.lora.normal import normalize_lora
+from vllm_diffusion_plugin.engine.lora.peft import load_lora, load_lora_state_dict
 from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora, prepare_lora_files
-from vllm_diffusion_plugin.engine.lora.types import NoLoraTargetsError
+from vllm_diffusion_plugin.engine.lora.types import (
+    LoraConversionError,
+    LoraDelta,
+    LoraFile,
+    LoraFormatError,
+    LoraRankError,
+    LoraShapeError,
+    NoLoraTargetsError,
+    NonFiniteLoraError,
+    PartialPackedLoraError,
+    UnmatchedLoraKeysError,
+    UnsupportedLoraError,
+)
 
 __all__ = [
     "FuseStats", "LoraConversionError", "LoraDelta", "NoLoraTargetsError", "PreparedLora", "fuse_prepared", "prepare_lora_files", "LoraFile", "LoraFormatError", "LoraFusionError", "LoraRankError", "LoraShapeError",

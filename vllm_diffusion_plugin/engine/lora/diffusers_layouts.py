@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 
 import torch
+
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.lora.types import LoraConversionError
 

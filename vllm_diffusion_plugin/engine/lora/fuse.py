@@ -39,6 +39,7 @@ from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, to_device
 from vllm_diffusion_plugin.engine.lora.prepare import prepare_lora_files
 from vllm_diffusion_plugin.engine.lora.types import LoraDelta
 from vllm_diffusion_plugin.engine.lora.weight import (
@@ -54,6 +55,7 @@ from vllm_diffusion_plugin.engine.lora.weight import (
     fuse_weight_,
     lora_bound,
 )
+from vllm_diffusion_plugin.engine.progress import progress_bar
 
 logger = init_logger(__name__)
 
@@ -231,8 +233,6 @@ def _factors_moved(targets: list[tuple], max_bytes: int) -> Iterator[tuple]:
     """``targets`` in order, the host-resident ``A`` / ``B`` of weights on an accelerator moved there first, in
     batches of at most ``max_bytes`` through pinned staging (``reader.DeviceStaging``): one pageable copy per factor
     would block the host until the device reached it, serializing 800 copies with 400 fusions on a Wan2.2 expert."""
-    from vllm_diffusion_plugin.engine.reader import DeviceStaging, to_device
-
     batch: list[tuple] = []
     stagings: dict[torch.device, DeviceStaging | None] = {}
 
@@ -387,8 +387,6 @@ def fuse_prepared(module: nn.Module, prepared: Sequence, *, chunk_mb: int = 256,
                   progress: bool | None = None, name: str = "", host_weights: str = "auto") -> FuseStats:
     """Fuse already validated LoRA files (``prepare.PreparedLora``, in order) into ``module``; a progress bar
     over targets per ``progress.progress_bar``."""
-    from vllm_diffusion_plugin.engine.progress import progress_bar
-
     bar = progress_bar(total=sum(len(lora.deltas) for lora in prepared), unit="targets", progress=progress,
                        desc=f"Fusing LoRA into {name or type(module).__name__}")
     try:

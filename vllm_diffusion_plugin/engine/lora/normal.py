@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.lora import diffusers_layouts, lycoris
 from vllm_diffusion_plugin.engine.lora.kohya import KohyaNames
@@ -53,7 +54,11 @@ from vllm_diffusion_plugin.engine.lora.types import (
     UnmatchedLoraKeysError,
     UnsupportedLoraError,
 )
-from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name, uses_wan_naming, wan_to_diffusers_name
+from vllm_diffusion_plugin.engine.lora.wan import (
+    diffusers_to_wan_name,
+    uses_wan_naming,
+    wan_to_diffusers_name,
+)
 
 logger = init_logger(__name__)
 

@@ -17,8 +17,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.lora.types import LoraFile, LoraFormatError, LoraRankError
+from vllm_diffusion_plugin.engine.errors import CheckpointError
+from vllm_diffusion_plugin.engine.io.headers import read_safetensors_header
+from vllm_diffusion_plugin.engine.lora.types import (
+    LoraFile,
+    LoraFormatError,
+    LoraRankError,
+)
 
 logger = init_logger(__name__)
 
@@ -51,7 +58,6 @@ def load_lora(path: str | Path) -> LoraFile:
         file = path
         if path.name == "adapter_model.safetensors":  # a PEFT folder's file, named directly
             config_file = path.parent / "adapter_config.json"
-    from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, read_safetensors_header
 
     try:
         read_safetensors_header(file)  # a saved HTML page or a truncated download: one line naming the file

@@ -12,13 +12,12 @@ siblings behind one call (``base.Strategy``: ``load(source, *, context, lora_fil
 is read, naming a strategy that works; with one process every strategy is ``full``.
 """
 
+from vllm_diffusion_plugin.engine.errors import DistributedLoadError, StrategyError
 from vllm_diffusion_plugin.engine.strategies.base import (
     STRATEGIES,
     ComponentLoad,
-    DistributedLoadError,
     LoadContext,
     Strategy,
-    StrategyError,
     check_strategy,
 )
 from vllm_diffusion_plugin.engine.strategies.broadcast import load_broadcast

@@ -16,23 +16,17 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.checkpoint import ComponentSource, is_transformer
+from vllm_diffusion_plugin.engine import skeleton
 from vllm_diffusion_plugin.engine.config import WEIGHT_LOAD_STRATEGIES, LoadOptions
+from vllm_diffusion_plugin.engine.errors import StrategyError
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_transformer
+from vllm_diffusion_plugin.engine.lora import prepare_lora_files
 from vllm_diffusion_plugin.engine.report import LoadReport
 
 logger = init_logger(__name__)
 
 STRATEGIES = WEIGHT_LOAD_STRATEGIES
 """Values of ``hsdp_weight_load``."""
-
-
-class StrategyError(ValueError):
-    """A weight-load strategy that cannot serve this load; the message names one that can."""
-
-
-class DistributedLoadError(RuntimeError):
-    """A distributed load failed across ranks: a rank died, stalled, failed or disagreed; or a rank-local
-    read left tensors uncovered. The message names the rank, the component and the bucket or tensors."""
 
 
 @dataclass(frozen=True)
@@ -87,15 +81,13 @@ def check_strategy(strategy: str, *, sources: Sequence[ComponentSource], world_s
     ``sharded``: whether the DiTs are sharded with HSDP. The checks hold for any world size; with one
     process the answer is ``full`` (there is nobody to send to and nothing to split).
     """
-    from vllm_diffusion_plugin.engine.skeleton import component_class
-
     if strategy not in STRATEGIES:
         raise StrategyError(f"hsdp_weight_load must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "full":
         return strategy
     concerned = [s for s in sources if strategy == "broadcast" or is_transformer(s)]
     for source in concerned:
-        cls = component_class(source)
+        cls = skeleton.component_class(source)
         if callable(getattr(cls, "load_weights", None)):
             raise StrategyError(
                 f"hsdp_weight_load={strategy}: {cls.__name__} ({source.folder}) maps checkpoint tensors onto its "
@@ -124,6 +116,4 @@ def normalize_lora_files(module: nn.Module, files: Sequence[tuple[str, float]], 
                          component: str | None = None) -> list[dict[str, Any]]:
     """Read and validate every LoRA file against ``module`` (a meta skeleton is enough); one delta dict per
     file, fused in this order. Nothing is touched."""
-    from vllm_diffusion_plugin.engine.lora import prepare_lora_files
-
     return [lora.deltas for lora in prepare_lora_files(module, files, strict=strict, component=component)]

@@ -24,94 +24,41 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine import weights
 from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.errors import DistributedLoadError
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_transformer
+from vllm_diffusion_plugin.engine.io.staging import StagedCopy, tensor_bytes
+from vllm_diffusion_plugin.engine.io.stream import iterate_weights
+from vllm_diffusion_plugin.engine.lora import fuse_lora
+from vllm_diffusion_plugin.engine.quant.checkpoints import read_together
+from vllm_diffusion_plugin.engine.quant.fuse import (
+    fuse_fp8_layers,
+    into_layers,
+    split_deltas,
+)
+from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
+from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.engine.strategies.base import (
     ComponentLoad,
-    DistributedLoadError,
     LoadContext,
     normalize_lora_files,
 )
+from vllm_diffusion_plugin.engine.strategies.buckets import (
+    Bucket,
+    plan_buckets,
+    plan_digest,
+)
 
 logger = init_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of one tensor's flattened elements inside a bucket."""
-
-    key: str
-    start: int
-    """First element of the key's flattened tensor in this segment."""
-    length: int
-    offset: int
-    """Where the segment starts in the bucket (elements of the bucket's dtype)."""
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One broadcast: a flat run of elements of a single dtype."""
-
-    dtype: torch.dtype
-    numel: int
-    segments: tuple[Segment, ...]
-    ready_after: int
-    """Index (in the plan's key order) of the key after whose read (and fusion) the bucket can be sent."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-def plan_buckets(entries: Sequence[tuple[str, int, torch.dtype]], *, bucket_bytes: int) -> list[Bucket]:
-    """Cut ``(key, numel, dtype)`` entries (in read order) into single-dtype buckets of <= ``bucket_bytes``.
-
-    One bucket per dtype is open at a time; it is emitted when full (``ready_after`` = the key that filled
-    it), the rest at the end (``ready_after`` = the last key), in order of each dtype's first appearance.
-    Deterministic: every rank computes the same plan from the same headers and skeleton.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    open_: dict[torch.dtype, list[Segment]] = {}
-    fill: dict[torch.dtype, int] = {}
-    plan: list[Bucket] = []
-    for index, (key, numel, dtype) in enumerate(entries):
-        cap = max(1, bucket_bytes // dtype.itemsize)
-        segments = open_.setdefault(dtype, [])
-        pos = 0
-        while pos < numel:
-            take = min(cap - fill.get(dtype, 0), numel - pos)
-            segments.append(Segment(key, pos, take, fill.get(dtype, 0)))
-            fill[dtype] = fill.get(dtype, 0) + take
-            pos += take
-            if fill[dtype] == cap:
-                plan.append(Bucket(dtype, cap, tuple(segments), index))
-                segments.clear()
-                fill[dtype] = 0
-    for dtype, segments in open_.items():
-        if segments:
-            plan.append(Bucket(dtype, fill[dtype], tuple(segments), len(entries) - 1))
-    return plan
-
-
-def plan_digest(plan: Sequence[Bucket]) -> str:
-    """A short hash of the plan (keys, dtypes, element ranges), compared across ranks in the handshake."""
-    h = hashlib.sha1()
-    for bucket in plan:
-        h.update(f"{bucket.dtype}|{bucket.numel}|{bucket.ready_after}|".encode())
-        for s in bucket.segments:
-            h.update(f"{s.key}:{s.start}:{s.length}:{s.offset};".encode())
-    return h.hexdigest()[:16]
 
 
 class BroadcastChannel:
@@ -220,8 +167,6 @@ def pack_bucket(data: torch.Tensor, bucket: Bucket, targets: dict[str, torch.Ten
                 threads: int = 1) -> None:
     """Copy ``bucket``'s segments of the host module's tensors into the bucket buffer ``data``; a buffer on an
     accelerator is filled through ``staging`` (``reader.DeviceStaging``) when there is one, not by pageable copies."""
-    from vllm_diffusion_plugin.engine.reader import StagedCopy, tensor_bytes
-
     pairs = [(data[s.offset:s.offset + s.length], _flat(targets[s.key], s.key)[s.start:s.start + s.length])
              for s in bucket.segments]
     with torch.no_grad():
@@ -243,8 +188,6 @@ def _lora_parts(module: nn.Module, files: Sequence[dict],
                 keys: Sequence[str] = ()) -> dict[str, list[tuple[int, str, str]]]:
     """Checkpoint key -> the (file index, target, part) LoRA updates that wait for it (part: weight/bias); an FP8
     layer's weight waits for the later of its weight and scale (``prequant.read_together``)."""
-    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
-    from vllm_diffusion_plugin.engine.prequant import read_together
 
     modules = dict(module.named_modules())
     together = read_together(keys, serialized_layers(module))
@@ -279,8 +222,6 @@ class _Sender:
         self.nested = {"lora": 0.0, "broadcast": 0.0}  # seconds spent inside the stream, not reading
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from vllm_diffusion_plugin.engine.weights import iterate_weights
-
         self.handshaken = True
         self.channel.handshake(self.what, self.digest, None)
         sent, last = 0, len(self.keys) - 1
@@ -309,9 +250,6 @@ class _Sender:
         return lambda data: pack_bucket(data, bucket, self.targets, self.staging, threads=self.threads)
 
     def _fuse_pending(self) -> None:
-        from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
-        from vllm_diffusion_plugin.engine.lora import fuse_lora
-        from vllm_diffusion_plugin.engine.prequant import fuse_fp8_layers, split_deltas
 
         if not self.pending:
             return
@@ -328,7 +266,7 @@ class _Sender:
                                                    bias_delta=d.bias_delta if "bias" in parts else None,
                                                    full_delta=d.full_delta if weight else None)
                 self.fused.add((i, name))
-            fp8, deltas = split_deltas(deltas, layers)  # FP8 layers: every file's delta summed, requantized once
+            fp8, deltas = split_deltas(deltas, into_layers(layers))  # FP8 layers: summed, requantized once
             fp8_files.append(fp8)
             other_files.append(deltas)
         fused = [fuse_fp8_layers(self.targets, [f for f in fp8_files if f], modules=self.modules,
@@ -364,11 +302,6 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
 
     All ranks must call this for the same sources in the same order. Returns the full module on the host.
     """
-    from vllm_diffusion_plugin.engine.checkpoint import is_transformer
-    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
-    from vllm_diffusion_plugin.engine.prequant import read_together
-    from vllm_diffusion_plugin.engine.skeleton import build_component
-    from vllm_diffusion_plugin.engine.weights import load_into_module
 
     channel, dtype, options = context.channel, context.dtype, context.options
     report, progress = context.report, context.progress
@@ -414,7 +347,7 @@ def load_broadcast(source: ComponentSource, *, context: LoadContext,
                          check_finite=options.lora_check_finite, progress=progress,
                          threads=options.threads, host_weights=options.lora_host_weights, staging=context.staging)
         started = time.perf_counter()
-        result = load_into_module(module, weights=sender.stream(), source=source,
+        result = weights.load_into_module(module, weights=sender.stream(), source=source,
                                   strict_unexpected=options.strict_unexpected, progress=progress)
     except Exception as exc:
         if sender is None or not sender.handshaken:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from vllm_diffusion_plugin.engine.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine import weights
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_transformer
+from vllm_diffusion_plugin.engine.lora import fuse_prepared, prepare_lora_files
+from vllm_diffusion_plugin.engine.quant.fuse import fuse_files_into_fp8
+from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
+from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadContext
 
 
@@ -20,12 +25,6 @@ def load_full(source: ComponentSource, *, context: LoadContext,
     Where the component ends whole on an accelerator with pinned staging (not a DiT FSDP2 will shard), the
     skeleton is built there and the weights arrive through the staging ring, so LoRA is fused on the device in
     place; otherwise on the host (mapped, copy-on-write), and the pipeline places or shards it afterwards."""
-    from vllm_diffusion_plugin.engine.checkpoint import is_transformer
-    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
-    from vllm_diffusion_plugin.engine.lora import fuse_prepared, prepare_lora_files
-    from vllm_diffusion_plugin.engine.prequant import fuse_files_into_fp8
-    from vllm_diffusion_plugin.engine.skeleton import build_component
-    from vllm_diffusion_plugin.engine.weights import load_into_module
 
     options, report = context.options, context.report
     staging = context.staging if not (context.mesh is not None and is_transformer(source)) else None
@@ -34,7 +33,7 @@ def load_full(source: ComponentSource, *, context: LoadContext,
         if context.quantization is not None and is_transformer(source):
             context.quantization(module)  # quantized whole by post-load processing, after the LoRA
     with report.phase("read"):
-        result = load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
+        result = weights.load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
                                   progress=context.progress, map_private=True,  # untouched weights: no copy
                                   threads=options.threads, staging=staging)
     stats = None

@@ -6,208 +6,63 @@ range -- what safetensors ``get_slice`` reads for a row slice -- read with ``pre
 checkpoint per rank, nothing memory-mapped); LoRA deltas are fused shard-locally, ``B[rows] @ A`` per rank, so
 no rank ever holds a full-size weight or delta. Other components (VAE, encoders) load with ``full``.
 
-Reads and fusion go through :class:`RowBinding` (rows of a checkpoint tensor -> rows of a target): a diffusers
-module binds each key to itself whole (:func:`identity_bindings`); vllm-omni's DiTs, which stack q/k/v into one
-parameter, bind several keys into one target (``doors/omni/rank_local.py`` learns them).
+Reads and fusion go through ``io.rows.RowBinding`` s: a diffusers module binds each key to itself whole
+(:func:`load_rank_local`); a door whose model stacks q/k/v (vllm-omni) traces its bindings and hands them over
+(:class:`RowLoad`, :func:`load_bound_rows`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import prequant, quant_shards
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError, ComponentSource
-from vllm_diffusion_plugin.engine.reader import pread_into
+from vllm_diffusion_plugin.engine.config import LoadOptions
+from vllm_diffusion_plugin.engine.errors import DistributedLoadError, WeightLoadError
+from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.io.rows import (
+    RowBinding,
+    identity_bindings,
+    read_bound_rows,
+)
+from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows, fuse_local_rows
+from vllm_diffusion_plugin.engine.quant.fuse import fuse_files_into_fp8, split_deltas
+from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
+from vllm_diffusion_plugin.engine.quant.online import (
+    QuantLayer,
+    find_layers,
+    quantize_by_block,
+    to_quantized_layout,
+)
+from vllm_diffusion_plugin.engine.quant.parts import (
+    DequantizedBinding,
+    Fp8Layer,
+    find_fp8_layers,
+    finish,
+    fp8_targets,
+    to_final_layout,
+    unread_targets,
+)
+from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.engine.strategies.base import (
     ComponentLoad,
-    DistributedLoadError,
     LoadContext,
     normalize_lora_files,
 )
+from vllm_diffusion_plugin.engine.weights import (
+    strict_check_exemptions,
+    validate_headers,
+)
 
 logger = init_logger(__name__)
-
-
-def shard_rows(rows: int, *, size: int, index: int) -> tuple[int, int]:
-    """``(first row, end row)`` of shard ``index`` of ``size`` over ``rows`` rows: torch.chunk's split, as FSDP2
-    and DTensor use (the last shards may be short or empty)."""
-    chunk = math.ceil(rows / size)
-    start = min(rows, index * chunk)
-    return start, min(rows, start + chunk)
-
-
-def local_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``(local storage, first row, end row)`` of ``param`` on this rank: a DTensor's local shard and its
-    global row range, or a plain tensor whole. Only ``Shard(0)``/``Replicate`` placements are supported."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    if not isinstance(param, DTensor):
-        return param, 0, (param.shape[0] if param.dim() else 0)
-    shard_dims = [i for i, p in enumerate(param.placements) if type(p) is Shard and p.dim == 0]
-    odd = [p for p in param.placements if not (type(p) is Replicate or (type(p) is Shard and p.dim == 0))]
-    if odd or len(shard_dims) != 1:
-        raise DistributedLoadError(f"{name}: placements {param.placements} are not (Replicate, ..., Shard(0)); "
-                                   f"rank_local reads row ranges only; use hsdp_weight_load=broadcast")
-    mesh, dim = param.device_mesh, shard_dims[0]
-    size, index = mesh.size(dim), mesh.get_local_rank(dim)
-    start, stop = shard_rows(param.shape[0], size=size, index=index)
-    local = param.to_local()
-    if tuple(local.shape) != (stop - start, *param.shape[1:]):
-        raise DistributedLoadError(f"{name}: local shard is {tuple(local.shape)} but rows {start}:{stop} of "
-                                   f"{tuple(param.shape)} were expected on shard {index} of {size}")
-    return local, start, stop
-
-
-@dataclass(frozen=True)
-class RowBinding:
-    """Rows ``[start, start + rows)`` of the target tensor ``target`` hold rows ``[key_start, key_start + rows)``
-    of the checkpoint tensor ``key`` (``rows=None``: all of its rows). A diffusers module's parameter is bound
-    to its own key whole; a stacked parameter (vllm-omni's ``to_qkv``) has one binding per checkpoint tensor."""
-
-    key: str
-    target: str
-    start: int = 0
-    key_start: int = 0
-    rows: int | None = None
-    """None: from ``start`` to the target's last row (a binding of a whole tensor)."""
-
-
-def identity_bindings(keys: Iterable[str], targets: Mapping[str, torch.Tensor]) -> list[RowBinding]:
-    """Each checkpoint key that names a target, bound to it whole (a diffusers module: names are keys)."""
-    return [RowBinding(key, key) for key in keys if key in targets]
-
-
-def bound_local_rows(binding: RowBinding, target: torch.Tensor):
-    """``(local view, first key row)`` of the rows of ``binding`` this rank holds, or None when it holds none.
-    A 0-dim target is one row."""
-    local, first, end = local_rows(binding.target, target)
-    if local.dim() == 0:
-        return local, 0
-    rows = target.shape[0] - binding.start if binding.rows is None else binding.rows
-    lo, hi = max(first, binding.start), min(end, binding.start + rows)
-    if hi <= lo:
-        return None
-    return local[lo - first:hi - first], binding.key_start + lo - binding.start
-
-
-def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
-                    targets: Mapping[str, torch.Tensor], *, progress: bool | None = None, threads: int = 1,
-                    staging: Any = None):
-    """Read this rank's rows of every bound checkpoint tensor into its targets; returns (keys read, stats).
-    ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``). ``threads``: row ranges read by
-    that many threads at once (``reader.read_ahead``; every range lands in its own rows, so the result is the same).
-    ``staging`` (``reader.DeviceStaging``): rows on its accelerator are ``pread`` into its page-locked ring and copied
-    from there without blocking (same result).
-
-    A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);
-    it is read with ``pread`` straight into the local shard's storage when dtype and device allow, else into
-    a host buffer of those rows that is then copied (cast / H2D). Nothing is memory-mapped, so the page cache
-    is not charged to the rank's RSS. Each file's header is re-read and compared with the resolved one first.
-    """
-    from vllm_diffusion_plugin.engine.progress import progress_bar
-    from vllm_diffusion_plugin.engine.weights import LoadStats
-
-    stats, loaded = LoadStats(), set()
-    if sys.byteorder != "little":
-        raise CheckpointError(f"{source.folder}: rank_local reads little-endian safetensors bytes directly; this "
-                              f"host is big-endian (use hsdp_weight_load=broadcast)")
-    by_key: dict[str, list[RowBinding]] = {}
-    for binding in bindings:
-        by_key.setdefault(binding.key, []).append(binding)
-    mine = sum(found[0].numel() * source.tensors[b.key].dtype.itemsize for b in bindings if b.key in source.tensors
-               and (found := bound_local_rows(b, targets[b.target])) is not None)
-    bar = progress_bar(total=mine, desc=f"Loading {source.name} (own rows)", progress=progress)
-    try:
-        with torch.no_grad():
-            for file in source.files:
-                keys = [k for k in source.keys_in(file) if k in by_key]
-                if keys:
-                    _read_file_rows(source, file, keys, by_key, targets, stats, bar, threads, staging)
-                    loaded.update(keys)
-    finally:
-        if bar is not None:
-            bar.close()
-    return loaded, stats
-
-
-def _read_file_rows(source: ComponentSource, file: Any, keys: Sequence[str], by_key: Mapping[str, list[RowBinding]],
-                    targets: Mapping[str, torch.Tensor], stats: Any, bar: Any, threads: int = 1,
-                    staging: Any = None) -> None:
-    """``read_bound_rows`` for the ``keys`` of one file, after checking its header is still the resolved one."""
-    from vllm_diffusion_plugin.engine import file_reads
-    from vllm_diffusion_plugin.engine.checkpoint import unchanged_data_start
-    from vllm_diffusion_plugin.engine.reader import StagedCopy, read_ahead
-
-    data_start = unchanged_data_start(source, file, keys)
-    with file_reads.open_file(file) as f:
-
-        def rows() -> Iterator[tuple[torch.Tensor, torch.dtype, int]]:  # (destination rows, dtype, file offset)
-            for key in keys:
-                info = source.tensors[key]
-                row_bytes = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
-                for binding in by_key[key]:
-                    found = bound_local_rows(binding, targets[binding.target])
-                    if found is None:
-                        continue
-                    dst, key_row = found
-                    if tuple(dst.shape[1:]) != tuple(info.shape[1:]):
-                        raise CheckpointError(f"{file}: rows of {key} {tuple(info.shape)} do not fit "
-                                              f"{binding.target} rows {tuple(dst.shape)}")
-                    if dst.numel():
-                        yield dst, info.dtype, data_start + info.offset + key_row * row_bytes
-
-        def done(nbytes: int) -> None:
-            stats.add(file, nbytes)
-            if bar is not None:
-                bar.update(nbytes)
-
-        if staging is not None:
-            def copies() -> Iterator[StagedCopy]:
-                for dst, dtype, offset in rows():
-                    nbytes = dst.numel() * dtype.itemsize
-                    if dst.device.type == staging.device.type and dst.is_contiguous():
-                        yield StagedCopy(dst, dtype, lambda buf, start, at=offset: pread_into(
-                            f.fileno(), at + start, buf, file), nbytes,
-                            lambda start, at=offset: f"{file} at byte {at + start}")
-                    else:
-                        _read_rows(f.fileno(), dst, dtype, offset, file)
-                        done(nbytes)
-
-            for nbytes in staging.copy(copies(), threads=threads):
-                done(nbytes)
-            return
-
-        def jobs():  # (destination rows, buffer read into, file offset), in file order
-            for dst, dtype, offset in rows():
-                direct = dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous()
-                yield dst, dst if direct else torch.empty(dst.shape, dtype=dtype), offset
-
-        def read(job) -> None:
-            _, buffer, offset = job
-            pread_into(f.fileno(), offset, buffer, file)
-
-        for (dst, buffer, _), _ in read_ahead(jobs(), read, threads=threads,
-                                               nbytes=lambda job: job[1].numel() * job[1].element_size(),
-                                               where=lambda job: f"{file} at byte {job[2]}"):
-            if buffer is not dst:
-                dst.copy_(buffer)
-            done(buffer.numel() * buffer.element_size())
-
-
-def _read_rows(fd: int, dst: torch.Tensor, dtype: torch.dtype, offset: int, file: Any) -> None:
-    """One row range read at once (a destination the staging ring cannot fill: on the host, or strided)."""
-    buffer = torch.empty(dst.shape, dtype=dtype)
-    pread_into(fd, offset, buffer, file)
-    dst.copy_(buffer)
 
 
 def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], progress: bool | None = None,
@@ -215,79 +70,6 @@ def _read_local_rows(source: ComponentSource, targets: dict[str, torch.Tensor], 
     """This rank's rows of every checkpoint tensor named like a target (a diffusers module's state dict)."""
     return read_bound_rows(source, identity_bindings(source.tensors, targets), targets, progress=progress,
                            threads=threads, staging=staging)
-
-
-class LocalShards(nn.Module):
-    """This rank's rows of LoRA target weights (and biases) as plain parameters sharing FSDP's local storage,
-    named like the targets, so ``lora.fuse_lora`` fuses them with its own device rule and checks."""
-
-    def add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        owner: nn.Module = self
-        for part in name.split("."):
-            if part not in owner._modules:
-                owner.add_module(part, nn.Module())
-            owner = owner._modules[part]
-        owner.register_parameter("weight", nn.Parameter(weight.detach(), requires_grad=False))
-        if bias is not None:
-            owner.register_parameter("bias", nn.Parameter(bias.detach(), requires_grad=False))
-
-
-def fuse_bound_rows(targets: Mapping[str, torch.Tensor], bindings: Sequence[RowBinding],
-                    files: Sequence[dict[str, Any]], *, modules: Iterable[str], chunk_mb: int,
-                    check_finite: bool = False, host_weights: str = "auto"):
-    """Fuse LoRA deltas (keyed by checkpoint module names) into this rank's rows of their bound targets:
-    ``W[rows] += s * B[key rows] @ A`` (and the same key rows of bias / full deltas), file after file.
-
-    ``modules``: the checkpoint's module names (a delta target that is not one is a bare parameter). Returns
-    the summed ``FuseStats`` or None."""
-    from vllm_diffusion_plugin.engine.lora import fuse_lora
-
-    modules = set(modules)
-    by_key: dict[str, list[RowBinding]] = {}
-    for binding in bindings:
-        by_key.setdefault(binding.key, []).append(binding)
-
-    unbound = [name for deltas in files for name in deltas
-               if (f"{name}.weight" if name in modules else name) not in by_key]
-    if unbound:
-        raise DistributedLoadError(f"LoRA targets {unbound[:10]}: their checkpoint tensors go into no parameter")
-
-    def bound(key: str) -> list[tuple[torch.Tensor, int]]:
-        found = [bound_local_rows(b, targets[b.target]) for b in by_key.get(key, ())]
-        return [f for f in found if f is not None]
-
-    total = None
-    for deltas in files:
-        shadow, sliced = LocalShards(), {}
-        for name, delta in deltas.items():
-            weight_key = f"{name}.weight" if name in modules else name
-            biases = {} if delta.bias_delta is None else {row: view for view, row in bound(f"{name}.bias")}
-            for i, (w_local, first) in enumerate(bound(weight_key)):
-                rows = slice(first, first + (w_local.shape[0] if w_local.dim() else 1))
-                b_local = None
-                if delta.bias_delta is not None:
-                    b_local = biases.get(first)
-                    if b_local is None or b_local.shape[0] != w_local.shape[0]:
-                        raise DistributedLoadError(f"{name}: this rank holds weight rows {rows.start}:{rows.stop} "
-                                                   f"but not the same bias rows; cannot fuse the bias delta locally")
-                target = name if i == 0 else f"{name}_{i}"
-                shadow.add(target, w_local, b_local)
-                sliced[target] = dataclasses.replace(
-                    delta, B=None if delta.B is None else delta.B[rows],
-                    bias_delta=None if delta.bias_delta is None else delta.bias_delta[rows],
-                    full_delta=None if delta.full_delta is None else delta.full_delta[rows])
-        stats = fuse_lora(shadow, sliced, chunk_mb=chunk_mb, check_finite=check_finite, host_weights=host_weights)
-        total = stats if total is None else total + stats
-    return total
-
-
-def fuse_local_rows(module: nn.Module, files: Sequence[dict[str, Any]], *, chunk_mb: int,
-                    check_finite: bool = False, host_weights: str = "auto"):
-    """``fuse_bound_rows`` for a diffusers module, whose parameter names are its checkpoint keys."""
-    targets = dict(module.named_parameters())
-    return fuse_bound_rows(targets, identity_bindings(targets, targets), files,
-                           modules=(name for name, _ in module.named_modules()), chunk_mb=chunk_mb,
-                           check_finite=check_finite, host_weights=host_weights)
 
 
 def materialize_local_shards(module: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
@@ -303,12 +85,6 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA.
 
     Needs ``context.mesh`` and ``context.hsdp`` (the pipeline sends only sharded DiTs here)."""
-    from torch.distributed.tensor import DTensor
-
-    from vllm_diffusion_plugin.engine.fp8_layer import serialized_layers
-    from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
-    from vllm_diffusion_plugin.engine.skeleton import build_component
-    from vllm_diffusion_plugin.engine.weights import WeightLoadError, strict_check_exemptions, validate_headers
 
     options, report, device = context.options, context.report, context.device
     origin, cls_name = str(source.folder), str(source.config.get("_class_name", "?"))
@@ -317,13 +93,13 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
         module = build_component(source, dtype=context.dtype, device="meta")
         if context.quantization is not None:
             context.quantization(module)
-        layers = quant_shards.find_layers(module)  # online-quantized linears (refused here if not row-wise)
+        layers = find_layers(module)  # online-quantized linears (refused here if not row-wise)
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
         module.to("meta")  # buffers too, so FSDP2 moves nothing; their values are restored after to_empty
     with report.phase("lora"):
         files = normalize_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
     with report.phase("shard"):
-        quant_shards.to_quantized_layout(module, layers)  # fp8 [out, in] weights + scales, sharded by rows
+        to_quantized_layout(module, layers)  # fp8 [out, in] weights + scales, sharded by rows
         shard = apply_hsdp(module, mesh=context.mesh, config=context.hsdp, pattern=options.hsdp_block_pattern,
                            allow_meta=True)
         materialize_local_shards(module, device, buffers)
@@ -359,7 +135,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     fp8 = serialized_layers(module)  # a pre-quantized checkpoint's FP8 rows: dequantize, add, requantize
     if fp8 and any(files):
         with report.phase("lora"):
-            files, fused = prequant.fuse_files_into_fp8(targets, files, fp8, options=options,
+            files, fused = fuse_files_into_fp8(targets, files, fp8, options=options,
                                                         modules=(n for n, _ in module.named_modules()))
             lora = fused if lora is None else lora if fused is None else lora + fused
     rest = [{n: d for n, d in f.items() if f"{n}.weight" not in quantized} for f in files]
@@ -376,7 +152,7 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
 
 def _quantize_rows(module: nn.Module, layers: Sequence[Any], source: ComponentSource, targets: dict[str, torch.Tensor],
                    files: Sequence[dict[str, Any]], loaded: set[str], stats: Any, shard: Any, context: LoadContext):
-    """The online-quantized weights, block by block (``quant_shards.quantize_by_block``): this rank's rows read
+    """The online-quantized weights, block by block (``quantize_by_block``): this rank's rows read
     into transients, their LoRA deltas fused there, the rows quantized into the fp8 shards. Adds to ``loaded``
     and ``stats``; returns (loaded, the LoRA's ``FuseStats`` or None)."""
     options, report = context.options, context.report
@@ -403,8 +179,148 @@ def _quantize_rows(module: nn.Module, layers: Sequence[Any], source: ComponentSo
                                         chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
                                         host_weights=options.lora_host_weights))
 
-    quant_shards.quantize_by_block(module, layers, targets=targets, blocks=shard.blocks, read=read, fuse=fuse)
+    quantize_by_block(module, layers, targets=targets, blocks=shard.blocks, read=read, fuse=fuse)
     total = None
     for stats_one in lora:
         total = stats_one if total is None else total + stats_one
     return loaded, total
+
+
+def row_layers(module: nn.Module, *, prefix: str) -> tuple[list[QuantLayer], list[Fp8Layer]]:
+    """A DiT's quantized linears, as a door built it: the online-quantized ones (vLLM's layerwise wrapping undone)
+    and the pre-quantized FP8 ones; a method without the row protocol is refused by name. Reads nothing."""
+    return find_layers(module, prefix=prefix, detach_layerwise=True), find_fp8_layers(module, prefix=prefix)
+
+
+def to_row_layout(module: nn.Module, *, prefix: str, quantized: Sequence[QuantLayer],
+                  prequantized: Sequence[Fp8Layer]) -> None:
+    """The final layout of a DiT's quantized layers, on ``meta`` before it is sharded: fp8 ``[out, in]`` weights and
+    their scales (``quant.online.to_quantized_layout``), per-tensor FP8 layers' one scale (``quant.parts``)."""
+    to_quantized_layout(module, quantized, prefix=prefix)
+    to_final_layout(module, prequantized, prefix=prefix)
+
+
+@dataclass
+class RowLoad:
+    """A DiT its door sharded on ``meta`` (local shards allocated) and whose checkpoint rows it traced: what
+    :func:`load_bound_rows` needs to read, fuse and quantize this rank's rows into it."""
+
+    component: str
+    prefix: str
+    """The DiT's name in the door's model, with a trailing dot (``""``: the model itself)."""
+    module: nn.Module
+    bindings: list[RowBinding]
+    """Where each checkpoint row lands (targets named in the door's model)."""
+    targets: Mapping[str, torch.Tensor]
+    """Every parameter and buffer of the door's model by name (DTensors where sharded)."""
+    device: torch.device
+    quantized: list[QuantLayer] = field(default_factory=list)
+    """Its online-quantized linears (``quant.online.find_layers``), their fp8 layout set before sharding."""
+    prequantized: list[Fp8Layer] = field(default_factory=list)
+    """Its pre-quantized FP8 linears and their parts (``quant.parts``)."""
+
+
+@dataclass
+class RowsRead:
+    """What :func:`load_bound_rows` did on this rank."""
+
+    keys: set[str]
+    bytes_read: int
+    lora: Any = None
+    """``lora.FuseStats`` or None."""
+    lora_s: float = 0.0
+
+
+def load_bound_rows(source: ComponentSource, dit: RowLoad, *, fuser: Any, options: LoadOptions,
+                    staging: Any = None) -> RowsRead:
+    """This rank's rows of ``source`` into ``dit``: the plain rows read, the pre-quantized FP8 layers finished
+    (``quant.parts.finish``), the online-quantized ones read, fused and quantized block by block, then the LoRA of
+    ``fuser`` (its deltas keyed by checkpoint names) fused into the plain rows. Unread checkpoint tensors are
+    warned about by name."""
+    deltas = list(fuser.deltas) if fuser is not None else []
+    into = {layer.weight for layer in dit.quantized}
+    fp8 = dit.prequantized
+    plain = [b for b in dit.bindings if b.target not in into | unread_targets(fp8)
+             and not isinstance(b, DequantizedBinding)]
+    keys, stats = read_bound_rows(source, plain, dit.targets, threads=options.threads, staging=staging)
+    bytes_read, lora, lora_s = stats.total_bytes, None, 0.0
+    if fp8_into := fp8_targets(fp8, dit.bindings):
+        fp8_deltas, deltas = split_bound_deltas(deltas, dit.bindings, fuser.modules, fp8_into) if fuser else ([], [])
+        more, nbytes, lora, lora_s = finish(_Dit(source, fuser, dit.component, dit.prefix), dit.module, fp8,
+                                            dit.bindings, dit.targets, fp8_deltas)
+        keys, bytes_read = keys | more, bytes_read + nbytes
+    if dit.quantized:
+        _, deltas = split_bound_deltas(deltas, dit.bindings, fuser.modules, into) if fuser else ([], [])
+        more, nbytes, lora = _quantize_bound(source, dit, fuser, options=options, staging=staging)
+        keys, bytes_read = keys | more, bytes_read + nbytes
+    unbound = sorted(set(source.tensors) - keys)
+    if unbound:
+        logger.warning("%d checkpoint tensor(s) of %s (%s) go into no parameter of %s and were not read: %s",
+                       len(unbound), dit.component, source.folder, type(dit.module).__name__,
+                       ", ".join(unbound[:20]))
+    if fuser is not None and any(deltas):
+        start = time.perf_counter()
+        fused = fuse_bound_rows(dit.targets, plain, [d for d in deltas if d], modules=fuser.modules,
+                                chunk_mb=fuser.chunk_mb, check_finite=fuser.check_finite,
+                                host_weights=fuser.host_weights)
+        lora, lora_s = (fused if lora is None else lora + fused), time.perf_counter() - start + lora_s
+    return RowsRead(keys, bytes_read, lora, lora_s)
+
+
+@dataclass(frozen=True)
+class _Dit:
+    """What ``quant.parts.finish`` reads of a DiT: its source, fuser, name and prefix."""
+
+    source: ComponentSource
+    fuser: Any
+    component: str
+    prefix: str
+
+
+def split_bound_deltas(deltas: Sequence[dict[str, Any]], bindings: Sequence[RowBinding], modules: Iterable[str],
+                       quantized: set[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(deltas into quantized targets, the others)``, per LoRA file, by where their weight rows go
+    (``quant.fuse.split_deltas`` over the bindings)."""
+    modules = set(modules)
+    into: dict[str, set[str]] = {}
+    for binding in bindings:
+        into.setdefault(binding.key, set()).add(binding.target)
+
+    def bound_to_quantized(name: str, delta: Any) -> bool:
+        return bool(into.get(f"{name}.weight" if name in modules else name, set()) & quantized)
+
+    split = [split_deltas(file, bound_to_quantized) for file in deltas]
+    return [q for q, _ in split], [p for _, p in split]
+
+
+def _quantize_bound(source: ComponentSource, dit: RowLoad, fuser: Any, *, options: LoadOptions, staging: Any):
+    """Read, fuse and quantize this rank's rows of ``dit.quantized`` block by block; returns (checkpoint keys read,
+    bytes read, ``FuseStats`` or None)."""
+    keys: set[str] = set()
+    nbytes, fused = [0], []
+    blocks = [dit.prefix + name for name, sub in dit.module.named_modules() if name and isinstance(sub, FSDPModule)]
+    deltas = list(fuser.deltas) if fuser is not None else []
+
+    def read(transients: dict[str, torch.Tensor]) -> None:
+        mine = [b for b in dit.bindings if b.target in transients]
+        got, stats = read_bound_rows(source, mine, transients, threads=options.threads, staging=staging)
+        keys.update(got)
+        nbytes[0] += stats.total_bytes
+
+    def fuse(transients: dict[str, torch.Tensor], members: Sequence[QuantLayer]) -> None:
+        if fuser is None:
+            return
+        names = set(transients)
+        mine = [b for b in dit.bindings if b.target in names]
+        subset = [f for f in split_bound_deltas(deltas, mine, fuser.modules, names)[0] if f]
+        if not subset:
+            return
+        bias_keys = {b.key.removesuffix(".weight") + ".bias" for b in mine}
+        rows = mine + [b for b in dit.bindings if b.key in bias_keys]
+        fused.append(fuse_bound_rows({**dit.targets, **transients}, rows, subset, modules=fuser.modules,
+                                     chunk_mb=fuser.chunk_mb, check_finite=fuser.check_finite,
+                                     host_weights=fuser.host_weights))
+
+    quantize_by_block(dit.module, dit.quantized, targets=dit.targets, blocks=blocks, read=read, fuse=fuse,
+                      prefix=dit.prefix)
+    return keys, nbytes[0], sum(fused[1:], fused[0]) if fused else None

@@ -32,6 +32,7 @@ from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 from vllm_diffusion_plugin import envs
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.doors.omni import _patching
+from vllm_diffusion_plugin.engine.memory import status_memory
 
 logger = init_logger(__name__)
 
@@ -57,8 +58,6 @@ def device_count() -> int:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size since the last reset (``VmHWM``), or the current RSS where unreadable."""
-    from vllm_diffusion_plugin.engine.report import status_memory
-
     if peak := status_memory().get("VmHWM"):
         return peak
     import psutil
@@ -97,7 +96,6 @@ class CpuOmniPlatform(OmniPlatform, CpuPlatform):
     def init_diffusion_model_runner_runtime(cls, *args: Any, **kwargs: Any) -> None:
         # vllm-omni's runner calls this right before its load_model. vLLM's CPU memory figure ("Model loading
         # took X GiB") is the host's used memory, all workers together; this worker's own RSS is said here.
-        from vllm_diffusion_plugin.engine.report import status_memory
 
         logger.info("CPU platform: worker RSS before its model load: %d bytes", status_memory().get("VmRSS", 0))
         super().init_diffusion_model_runner_runtime(*args, **kwargs)

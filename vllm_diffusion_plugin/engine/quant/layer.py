@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from vllm_diffusion_plugin.engine.quant_fuse import FP8, quantize
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8, quantize
 
 
 class Fp8RowMethod:

@@ -2,9 +2,8 @@
 
 The headers are read once (``checkpoint.resolve_checkpoint``) and the bytes later, by offsets those headers gave.
 A shard truncated or replaced in between (a sync job, a second download into the same folder, a network store
-serving another version) used to fail with whatever the read met -- torch's "Trying to resize storage that is not
-resizable" for a truncated mapped file, naming nothing -- or, for a file replaced by one of the same size, to load
-its bytes as the weights the old header described, silently. :func:`stamp` records each file's identity (device,
+serving another version) would otherwise fail with whatever the read meets, naming nothing, or -- a file replaced
+by one of the same size -- load its bytes as the weights the old header described, silently. :func:`stamp` records each file's identity (device,
 inode, size, modification time) right after its header is read; :func:`check_unchanged` compares after a
 component's load and when it failed, and raises :class:`CheckpointChangedError` naming the first file that changed
 and how. A file changed after its bytes were read is refused too: its loaded bytes may be the old ones, but which
@@ -19,11 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
-
-
-class CheckpointChangedError(CheckpointError):
-    """A checkpoint file changed between its header read and the end of the load of its component."""
+from vllm_diffusion_plugin.engine.errors import CheckpointChangedError
 
 
 @dataclass(frozen=True)

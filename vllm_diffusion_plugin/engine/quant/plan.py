@@ -9,7 +9,13 @@ nothing, imports no door.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import nn
+
+from vllm_diffusion_plugin.engine.hsdp import select_blocks
+from vllm_diffusion_plugin.engine.quant.fp8 import CHUNK_ELEMENTS
+from vllm_diffusion_plugin.engine.quant.layer import Fp8Linear, Fp8RowMethod
 
 QUANTIZE_BYTES_PER_ELEMENT = 8
 """What ``quantize_rows`` holds at once per element of a row chunk: ``rows / scale`` in fp32 beside its clamped
@@ -31,8 +37,6 @@ def quantized_layers(layers: Sequence, block_names: Sequence[str]) -> dict[str, 
 def quantize_chunk_bytes(elements: int) -> int:
     """The temporaries of quantizing ``elements`` local elements of one weight, row chunk by row chunk (at most
     ``quant_fuse.CHUNK_ELEMENTS`` at once, as ``quant_shards.quantize_by_block`` runs)."""
-    from vllm_diffusion_plugin.engine.quant_fuse import CHUNK_ELEMENTS
-
     return QUANTIZE_BYTES_PER_ELEMENT * min(elements, CHUNK_ELEMENTS)
 
 
@@ -58,3 +62,28 @@ def quantized_bytes(quantized: Mapping[str, tuple[int, int, int, bool, int]],
         chunk = max(chunk, quantize_chunk_bytes(numel * mine // final))
     transient = max(per_block.values(), default=0) + chunk if rank_local else 0
     return saved, transient, largest
+
+
+ONLINE_FP8 = {"fp8": False, "torch_fp8": False, "torch_fp8_per_channel": True}
+"""Online quantization methods whose DiT linears end as an fp8 ``[out, in]`` weight and a scale, by name -> per
+channel: planned at their quantized size. Any other method is planned in the load dtype (an over-estimate)."""
+
+
+class _PlannedOnlineFp8(Fp8RowMethod):
+    uses_meta_device = True  # quantized after loading, as vLLM's online methods
+
+
+def online_fp8_hook(method: str) -> Callable[[nn.Module], None] | None:
+    """The plan's ``quantization`` hook for online method ``method`` (None: not an online fp8 method): every linear
+    of a DiT's FSDP blocks an online fp8 layer on its ``meta`` skeleton, as a framework's quant config makes it."""
+    per_channel = ONLINE_FP8.get(method)
+    if per_channel is None:
+        return None
+
+    def on_meta(module: nn.Module) -> None:
+        blocks = tuple(f"{name}." for name in select_blocks(module).names)
+        for name, sub in module.named_modules():
+            if type(sub) is nn.Linear and name.startswith(blocks):
+                sub.__class__, sub.quant_method = Fp8Linear, _PlannedOnlineFp8(per_channel)
+
+    return on_meta

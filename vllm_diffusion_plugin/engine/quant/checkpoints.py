@@ -1,6 +1,6 @@
 """Pre-quantized FP8 checkpoints in diffusers layout: what is carried, what is refused, and LoRA fused into them.
 
-Carried (issue 37, part 2), each a component folder of safetensors whose linear weights are ``float8_e4m3fn``
+Carried, each a component folder of safetensors whose linear weights are ``float8_e4m3fn``
 ``[out, in]`` with an fp32 ``weight_scale`` (and maybe a static ``input_scale``), declared by
 ``quantization_config`` in its ``config.json`` (or a ModelOpt ``hf_quant_config.json`` beside it):
 
@@ -17,14 +17,7 @@ dequantized and kept. Refused by name in one line, before any weight byte is rea
 NVFP4, ModelOpt mixed precision, block-wise FP8, GGUF, torchao, bitsandbytes or any other method,
 ``pre_quant_scale`` (AWQ / SmoothQuant pre-scaling), FP8 tensors without a quantization config.
 
-A LoRA is fused into an FP8 layer exactly with ``quant_fuse.fuse_fp8_rows`` (:func:`fuse_fp8_layers`): the
-delta of the rows a rank holds is computed in fp32 by the LoRA fusion itself (into zeros), added to the
-dequantized rows, and the rows requantized with a scale recomputed from the fused values -- per channel from
-each row, per tensor from the whole tensor's amax, agreed by the ranks holding its rows with one
-``all_reduce(MAX)`` of 4 bytes per layer. Several LoRA files are one requantization: every file's delta of the layer
-is summed into the same fp32 rows (file after file), the sum added once and the rows requantized once. Requantizing
-after each file would round twice, and the first rounding, taken at that file's scale and magnitudes, lands several
-FP8 steps of the final scale away where the next file's delta cancels (measured on the tiny Wan2.2: up to 50).
+A LoRA is fused into these layers exactly by ``fuse`` (dequantized, added in fp32, requantized once).
 """
 
 from __future__ import annotations
@@ -38,7 +31,8 @@ from typing import Any
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.quant_fuse import FP8
+from vllm_diffusion_plugin.engine.errors import PreQuantError
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8
 
 logger = init_logger(__name__)
 
@@ -47,10 +41,6 @@ FP8_ALGOS = {"FP8": False, "FP8_PER_CHANNEL_PER_TOKEN": True}
 REFUSED_SUFFIXES = {".pre_quant_scale": "pre_quant_scale (AWQ / SmoothQuant pre-scaling of the activations)",
                     ".weight_scale_2": "weight_scale_2 (NVFP4's second-level scale)",
                     ".weight_scale_inv": "weight_scale_inv (block-wise FP8 scales)"}
-
-
-class PreQuantError(ValueError):
-    """A pre-quantized checkpoint this load does not carry; one line naming the format and the component."""
 
 
 @dataclass(frozen=True)
@@ -145,15 +135,6 @@ def fp8_layers(source) -> Fp8Checkpoint | None:
     return Fp8Checkpoint(method, algo or "FP8", layers)
 
 
-def fuse_transient_bytes(numel: int) -> int:
-    """What :func:`fuse_fp8_layers` holds at most while fusing one layer's ``numel`` local elements: the fp32 delta
-    and the requantized FP8 copy whole (5 bytes each), one row chunk (``quant_fuse.CHUNK_ELEMENTS``) of fp32
-    dequantized, fused, divided and clamped rows (16 bytes each)."""
-    from vllm_diffusion_plugin.engine.quant_fuse import CHUNK_ELEMENTS
-
-    return 5 * numel + 16 * min(numel, CHUNK_ELEMENTS)
-
-
 def check_sources(sources: Iterable) -> dict[str, Fp8Checkpoint]:
     """Every component's FP8 layers (components without are left out), or the first refusal; before any read."""
     found = {}
@@ -165,70 +146,6 @@ def check_sources(sources: Iterable) -> dict[str, Fp8Checkpoint]:
             logger.info("%s: pre-quantized %s %s checkpoint, %d FP8 linears (%d per channel), read as they are",
                         source.name, checkpoint.method, checkpoint.algo, len(checkpoint.layers), per_channel)
     return found
-
-
-def split_deltas(deltas: Mapping[str, Any], layers: Iterable[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(deltas of FP8 layers' weights, the others)`` of one LoRA file's deltas (keyed by module name); a delta of
-    an FP8 layer's bias alone is an ordinary one (its weight is not requantized)."""
-    layers = set(layers)
-    fp8 = {n: d for n, d in deltas.items() if n in layers and (d.A is not None or d.full_delta is not None)}
-    return fp8, {n: d for n, d in deltas.items() if n not in fp8}
-
-
-def fuse_fp8_layers(targets: Mapping[str, torch.Tensor], files: Sequence[Mapping[str, Any]], *,
-                    modules: Iterable[str], chunk_mb: int, check_finite: bool = False, host_weights: str = "auto"):
-    """Fuse every LoRA file's deltas of FP8 layers (``files``, in order, each keyed by module name) into this rank's
-    rows of them, one requantization per layer: the files' deltas summed in fp32 (file after file, into zeros),
-    the sum added once to the dequantized rows, the rows requantized once. ``targets`` holds each layer's ``weight``
-    and ``weight_scale`` (and ``bias``), plain tensors or the DTensors FSDP2 shards by rows. Every rank holding rows
-    of a layer must call this with the same files (per-tensor scales are agreed per layer, in the order the layers
-    first appear in ``files``). Returns the ``FuseStats`` of the deltas or None."""
-    from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows, max_over
-    from vllm_diffusion_plugin.engine.quant_shards import local_part, shard_group, transient_rows
-    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows, identity_bindings
-
-    modules, total = list(modules), None
-    layers: dict[str, list[dict[str, Any]]] = {}  # layer -> its delta of each file naming it, in file order
-    for deltas in files:
-        for name, delta in deltas.items():
-            layers.setdefault(name, []).append({name: delta})
-    with torch.no_grad():
-        for name, per_file in layers.items():  # one layer at a time: its transient is its rows in fp32
-            weight, scale = targets[f"{name}.weight"], targets[f"{name}.weight_scale"]
-            summed = transient_rows(weight, torch.float32)
-            local_part(summed).zero_()
-            rows = {f"{name}.weight": summed, **({f"{name}.bias": targets[f"{name}.bias"]}
-                                                 if f"{name}.bias" in targets else {})}
-            stats = fuse_bound_rows(rows, identity_bindings(rows, rows), per_file, modules=modules,
-                                    chunk_mb=chunk_mb, check_finite=check_finite, host_weights=host_weights)
-            total = stats if total is None else total + stats
-            q, s = local_part(weight), local_part(scale)
-            per_tensor = s.dim() == 0
-            group = shard_group(weight) if per_tensor else None  # per tensor and sharded: agree on the amax
-            agree = max_over(group) if group is not None else None
-            new_q, new_scale = fuse_fp8_rows(q, s if per_tensor else s.reshape(-1, 1), local_part(summed),
-                                             per_tensor=per_tensor, agree=agree)
-            q.copy_(new_q)
-            s.copy_(new_scale.reshape(s.shape))
-            del summed, rows, new_q
-            if len(per_file) > 1:
-                logger.debug("%s.weight %s: %d LoRA files' deltas summed in fp32, requantized once", name,
-                             tuple(weight.shape), len(per_file))
-    return total
-
-
-def fuse_files_into_fp8(targets: Mapping[str, torch.Tensor], files: Sequence[Mapping[str, Any]],
-                        layers: Iterable[str], *, modules: Iterable[str], options) -> tuple[list[dict], Any]:
-    """Every LoRA file's deltas of FP8 ``layers`` fused together (:func:`fuse_fp8_layers`: one requantization per
-    layer, whatever the number of files); returns the files' other deltas (for the ordinary fusion, file after file)
-    and the ``FuseStats`` or None."""
-    layers = list(layers)
-    split = [split_deltas(deltas, layers) for deltas in files]
-    fp8 = [mine for mine, _ in split if mine]
-    total = fuse_fp8_layers(targets, fp8, modules=modules, chunk_mb=options.lora_device_chunk_mb,
-                            check_finite=options.lora_check_finite, host_weights=options.lora_host_weights) \
-        if fp8 else None
-    return [others for _, others in split], total
 
 
 def read_together(keys: Sequence[str], layers: Iterable[str]) -> dict[str, int]:

@@ -18,6 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_diffusion_plugin.tiny.serve_checkpoints import build_checkpoints
+from vllm_diffusion_plugin.tools import servers
+
 OMNI_EXTRA_HINT = 'pip install "vllm-diffusion-plugin[omni]" (from a checkout: pip install -e ".[omni]")'
 VIDEO_NAME = "vllm-diffusion-demo.mp4"
 REPORT_COLUMNS = ("component", "rank", "strategy", "bytes_read", "read_s", "lora_s", "total_s")
@@ -46,8 +49,6 @@ def run(*, nproc: int = 1, keep: Path | None = None, out_dir: Path | None = None
     check_omni()
     import torch
 
-    from vllm_diffusion_plugin.tools import servers
-    from vllm_diffusion_plugin.tiny.serve_checkpoints import build_checkpoints
 
     if nproc not in (1, 2):
         raise ValueError(f"demo --serve runs 1 or 2 ranks, got --nproc {nproc}")

@@ -37,8 +37,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_diffusion_plugin import compat
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.quant_fuse import row_chunks
+from vllm_diffusion_plugin.engine.errors import RowQuantError
+from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
+from vllm_diffusion_plugin.engine.quant.fp8 import row_chunks
 
 logger = init_logger(__name__)
 
@@ -51,10 +54,6 @@ ROW_WISE_METHODS: set[str] = set()
 methods declare the row protocol (a pre-quantized FP8 method: ``doors/omni/rank_local_prequant``'s); a method
 registers its name here where it registers itself (``testing.online_quant.register_omni_override``,
 ``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with any other name at startup."""
-
-
-class RowQuantError(ValueError):
-    """An online quant method ``rank_local`` cannot apply row by row; the message names the layer and method."""
 
 
 class LayerNames:
@@ -112,9 +111,11 @@ def is_online(module: nn.Module) -> bool:
     return bool(getattr(getattr(module, "quant_method", None), "uses_meta_device", False))
 
 
-def find_layers(module: nn.Module, *, prefix: str = "") -> list[QuantLayer]:
+def find_layers(module: nn.Module, *, prefix: str = "", detach_layerwise: bool = False) -> list[QuantLayer]:
     """The online-quantized linears of ``module`` (names prefixed with ``prefix``), or :class:`RowQuantError`
-    naming the first whose method does not declare the row protocol. Reads nothing."""
+    naming the first whose method does not declare the row protocol. Reads nothing. ``detach_layerwise``: undo
+    vLLM's layerwise wrapping of their weight loaders once all were found (a model vLLM built: its rows are read
+    here, never arrive whole)."""
     layers = []
     for name, sub in module.named_modules():
         if not is_online(sub):
@@ -127,12 +128,15 @@ def find_layers(module: nn.Module, *, prefix: str = "") -> list[QuantLayer]:
                 f"hsdp_weight_load=rank_local quantizes each rank's rows with the scale the whole tensor gets; "
                 f"{type(method).__name__} (layer {full_name}) does not declare how "
                 f"({', '.join(missing) or f'scale_granularity {method.scale_granularity!r}'} missing; see "
-                f"engine.quant_shards): use hsdp_weight_load=full with this quantization")
+                f"engine.quant.online): use hsdp_weight_load=full with this quantization")
         weight = sub._parameters.get("weight")
         if weight is None or weight.dim() != 2:
             raise RowQuantError(f"rank_local online quantization: layer {full_name} ({type(method).__name__}) has "
                                 f"no 2-D weight ({None if weight is None else tuple(weight.shape)})")
         layers.append(QuantLayer(full_name, method, tuple(weight.shape), weight.dtype))
+    if detach_layerwise:
+        for layer in layers:
+            compat.detach_layerwise_processing(module.get_submodule(layer.module.removeprefix(prefix)))
     return layers
 
 
@@ -198,7 +202,6 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
     ``blocks``: the FSDP2 unit names (layers outside them form one last group)."""
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
 
     report = QuantReport()
     groups: dict[str, list[QuantLayer]] = {}

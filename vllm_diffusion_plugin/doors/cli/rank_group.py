@@ -21,6 +21,8 @@ from collections.abc import Iterator
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import platform
+from vllm_diffusion_plugin.engine.errors import DistributedLoadError
 
 logger = init_logger(__name__)
 
@@ -35,7 +37,6 @@ def join(device: torch.device, *, collective_timeout_s: float, read_timeout_s: f
     collective bounded by ``collective_timeout_s``; one INFO line says both bounds."""
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin.engine import platform
 
     if device.type != "cpu":
         getattr(torch, device.type).set_device(device)
@@ -84,7 +85,6 @@ def collectives(what: str, *, timeout_s: float) -> Iterator[None]:
     in one line (:func:`describe`); any other error, and one a strategy already said, as it is."""
     import torch.distributed as dist
 
-    from vllm_diffusion_plugin.engine.strategies.base import DistributedLoadError
 
     started = time.monotonic()
     try:

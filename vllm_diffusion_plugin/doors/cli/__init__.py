@@ -32,8 +32,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from vllm_diffusion_plugin.doors.cli.noise import OURS, quiet_third_party
+from vllm_diffusion_plugin.engine.config import LoadOptions
+
 DTYPES = ("bfloat16", "float16", "float32")
 CLI_EXTRA_HINT = 'pip install "vllm-diffusion-plugin[cli]"'
+
+
+def _add_plan_parser(sub, *, shared, formatter) -> None:
+    """The ``plan`` subcommand on ``sub``: ``shared(parser)`` adds the options it shares with ``load``."""
+    plan = sub.add_parser("plan", help="say from headers and meta skeletons what each rank of a load would read "
+                                       "and hold, per strategy (reads no weight byte)", formatter_class=formatter)
+    plan.add_argument("checkpoint", help="diffusers pipeline folder or component folder")
+    shared(plan)
+    plan.add_argument("--host-memory", metavar="SIZE", help="host memory per node (64GiB, 80GB, bytes); "
+                                                            "default: this machine's total RAM")
+    plan.add_argument("--device-memory", metavar="SIZE", help="memory per accelerator; default: the probed "
+                                                              "accelerator's (none on the CPU)")
+    plan.add_argument("--per-rank", action="store_true",
+                      help="one row per strategy and rank, then one per component (default: one line per strategy, "
+                           "the largest figures over its ranks)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,9 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("checkpoint", help="diffusers pipeline folder, component folder, or hub id (ORG/NAME)")
     _add_load_options(load)
 
-    from vllm_diffusion_plugin.doors.planning import add_plan_parser
-
-    add_plan_parser(sub, shared=_add_shared_options, formatter=formatter)
+    _add_plan_parser(sub, shared=_add_shared_options, formatter=formatter)
 
     demo = sub.add_parser("demo", help="build a tiny Wan2.2-style checkpoint + LoRA locally and load it",
                           formatter_class=formatter)
@@ -116,10 +132,8 @@ class Interrupted(BaseException):
         self.code = 128 + signum
 
 
-def _options(args: argparse.Namespace):
+def _options(args: argparse.Namespace) -> LoadOptions:
     """LoadOptions from the flags; keys without a flag fall back to their VLLM_DIFFUSION_* variables."""
-    from vllm_diffusion_plugin.engine.config import LoadOptions
-
     extra = {"lora_scale": args.lora_scale}
     if args.allow_pickle:  # unset: VLLM_DIFFUSION_ALLOW_PICKLE decides
         extra["allow_pickle"] = True
@@ -135,153 +149,21 @@ def _options(args: argparse.Namespace):
     return LoadOptions.from_extra_config(extra)
 
 
-def _validate(args: argparse.Namespace, world_size: int) -> list:
-    """Every check that needs no weights, in the launching process, before any rank starts; the sources."""
-    from vllm_diffusion_plugin.doors.output import check_output_dir
-    from vllm_diffusion_plugin.engine.checkpoint import PickleRefusedError, is_transformer, resolve_checkpoint
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, assign_loras
-    from vllm_diffusion_plugin.engine.prequant import check_sources
-    from vllm_diffusion_plugin.engine.strategies import check_strategy
-
-    if args.nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
-    HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size).resolved(world_size)
-    if args.save_fused is not None:
-        check_output_dir(args.save_fused, flag="--save-fused")
-    options = _options(args)
-    try:
-        sources = resolve_checkpoint(args.checkpoint, components=args.components, allow_pickle=options.allow_pickle)
-    except PickleRefusedError as exc:
-        raise exc.with_how("pass --allow-pickle") from None
-    check_sources(sources)  # FP8 checkpoints carried; NVFP4, GGUF, torchao, ... refused by name
-    assign_loras([LoraSpec.parse(text) for text in args.lora], [s.name for s in sources if is_transformer(s)])
-    check_strategy(options.hsdp_weight_load, sources=sources, world_size=world_size, sharded=world_size > 1)
-    return sources
-
-
-def run_load(args: argparse.Namespace) -> dict:
-    """Run ``load`` with ``args``: in this process under torchrun / for one rank, else on spawned ranks.
-
-    Returns the merged report (rank 0's view with per-rank figures). With ``--save-fused`` the output is
-    written into a hidden staging folder next to OUT_DIR and renamed into place only after every rank
-    succeeded; on any failure or interrupt the staging folder is removed.
-    """
-    from vllm_diffusion_plugin.doors.output import Staging
-
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
-    started = time.perf_counter()
-    sources = _validate(args, world_size)
-    validate = time.perf_counter() - started
-    from vllm_diffusion_plugin.doors.planning import preflight_host
-
-    plan = preflight_host(args, options=_options(args), world_size=world_size, under_torchrun=under_torchrun)
-    preflight = time.perf_counter() - started - validate
-    writes = args.save_fused is not None and (not under_torchrun or os.environ["RANK"] == "0")
-    staging = Staging.create(args.save_fused, flag="--save-fused") if writes else None
-    try:
-        out_dir = staging.path if staging else None
-        if under_torchrun or world_size == 1:
-            merged = _rank_main(args, out_dir=out_dir, plan=plan)
-        else:
-            merged = _run_spawned(args, world_size, out_dir, plan)
-        if staging:
-            staging.commit(sources, checkpoint=args.checkpoint)
-        merged["seconds"] = {"validate": validate, "preflight": preflight, **merged["seconds"]}
-        return merged
-    finally:
-        if staging:
-            staging.discard()  # no-op after commit
-
-
-def _run_spawned(args: argparse.Namespace, world_size: int, out_dir: Path | None, plan=None) -> dict:
-    from vllm_diffusion_plugin.doors.launcher import run_ranks
-
-    with tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-") as tmp:
-        run_ranks(_spawned_rank, world_size=world_size, workdir=Path(tmp), args=(args, out_dir, plan),
-                  verbose=args.verbose)
-        return json.loads((Path(tmp) / "report.json").read_text())
-
-
-def _spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Namespace, out_dir: Path | None,
-                  plan=None) -> None:
-    """One spawned rank (see ``launcher.run_ranks``): load, and on rank 0 write the merged report."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    merged = _rank_main(args, out_dir=out_dir, init_method=f"file://{workdir / 'store'}", plan=plan)
-    if rank == 0:
-        (workdir / "report.json").write_text(json.dumps(merged))
-
-
-def _rank_main(args: argparse.Namespace, *, out_dir: Path | None, init_method: str | None = None,
-               plan=None) -> dict:
-    """This rank's load (``plan``: the launcher's pre-flight plan, held against this rank's accelerator first)."""
-    from vllm_diffusion_plugin.doors.noise import quiet_third_party
-
-    quiet_third_party(verbose=args.verbose)
-    import torch
-    import torch.distributed as dist
-
-    from vllm_diffusion_plugin import compat
-    from vllm_diffusion_plugin.doors import rank_group
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, load_components, resolve_target_device, save_components
-    from vllm_diffusion_plugin.engine.report import merge_ranks
-
-    compat.configure_vllm_logging()
-    quiet_third_party(verbose=args.verbose)  # vLLM's configuration replaced the handlers
-    device = resolve_target_device(args.device)
-    from vllm_diffusion_plugin.doors.planning import preflight_device
-
-    preflight_device(plan, options=_options(args), device=device, rank=int(os.environ.get("RANK", "0")))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    options = _options(args)
-    started_dist = world_size > 1 and not dist.is_initialized()
-    if started_dist:
-        rank_group.join(device, collective_timeout_s=options.collective_timeout_s,
-                        read_timeout_s=options.read_timeout_s, init_method=init_method)
-    bound = options.collective_timeout_s
-    try:
-        hsdp = (HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size)
-                if world_size > 1 else None)
-        with rank_group.collectives(f"a collective of the load of {args.checkpoint}", timeout_s=bound):
-            loaded = load_components(
-                args.checkpoint, options=options, components=args.components, device=device,
-                dtype=getattr(torch, args.dtype), hsdp=hsdp, progress=not args.json and sys.stderr.isatty(),
-                lora_specs=[LoraSpec.parse(text, default_scale=args.lora_scale) for text in args.lora])
-        if args.save_fused is not None:  # every rank takes part in the gathers; rank 0 writes
-            with rank_group.collectives("the all-gather of the sharded parameters for --save-fused", timeout_s=bound):
-                save_components(loaded, out_dir)
-        reports = [loaded.report]
-        if world_size > 1:
-            gathered = [None] * world_size if dist.get_rank() == 0 else None
-            with rank_group.collectives("the gather of the ranks' load reports", timeout_s=bound):
-                dist.gather_object(loaded.report, gathered, dst=0)
-            reports = gathered or reports
-        return merge_ranks(reports)
-    finally:
-        if started_dist:
-            dist.destroy_process_group()
-
-
 def run_demo(args: argparse.Namespace) -> dict:
-    """Build a tiny Wan2.2-style pipeline (two transformers, several shards each) and one LoRA per
-    transformer, then ``load`` it with the LoRAs fused."""
-    from vllm_diffusion_plugin.tiny.models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
+    """Build a tiny Wan2.2-style pipeline and one LoRA per transformer (``load.write_demo``), then ``load`` it with
+    the LoRAs fused."""
+    from vllm_diffusion_plugin.doors.cli import load
 
     with tempfile.TemporaryDirectory(prefix="vllm-diffusion-demo-") as tmp:
         started = time.perf_counter()
-        root = args.keep or Path(tmp)
-        checkpoint = write_tiny_pipeline(root / "Wan2.2-tiny", "wan")
-        loras = [str(write_tiny_lora(root / f"lora_{name}.safetensors", build_tiny_model("wan", seed=i), seed=i))
-                 for i, name in enumerate(PIPELINES["wan"][2])]
+        checkpoint, loras = load.write_demo(args.keep or Path(tmp))
         written = time.perf_counter() - started
         print(f"demo checkpoint: {checkpoint} (+ {len(loras)} LoRA files)", file=sys.stderr)
         load_args = _parser().parse_args(["load", str(checkpoint), "--dtype", "float32", "--device", "cpu",
                                           "--nproc", str(args.nproc), *(f"--lora={p}" for p in loras),
                                           *(["--json"] if args.json else []),
                                           *(["--verbose"] if args.verbose else [])])
-        merged = run_load(load_args)
+        merged = load.run_load(load_args, _options(load_args))
         merged["seconds"] = {"demo_write": written, **merged["seconds"]}
         return merged
 
@@ -337,7 +219,7 @@ def _raise_on_signal(signum, frame):
 
 def _serve_demo(args: argparse.Namespace) -> int:
     """``demo --serve`` (``doors.serve_demo``): its lines on stdout, an error as one line on stderr."""
-    from vllm_diffusion_plugin.doors import serve_demo
+    from vllm_diffusion_plugin.doors.cli import serve_demo
 
     try:
         serve_demo.run(nproc=args.nproc, keep=args.keep, say=lambda line: print(line, flush=True))
@@ -357,7 +239,7 @@ def _failed(exc: BaseException, args: argparse.Namespace, *, interrupted: str, m
     if args.verbose:
         import traceback
         traceback.print_exc()
-    from vllm_diffusion_plugin.doors.launcher import error_line
+    from vllm_diffusion_plugin.doors.cli.launcher import error_line
 
     print(f"vllm-diffusion: error: {message if message is not None else error_line(exc)}", file=sys.stderr)
     return 1
@@ -365,8 +247,6 @@ def _failed(exc: BaseException, args: argparse.Namespace, *, interrupted: str, m
 
 def main(argv: list[str] | None = None) -> int:
     """The command (see ``_main``); a caller in the same process (a test) gets our loggers' level back after it."""
-    from vllm_diffusion_plugin.doors.noise import OURS
-
     ours = logging.getLogger(OURS)
     level = ours.level
     try:
@@ -387,8 +267,6 @@ def _main(argv: list[str] | None) -> int:
     # Logs go to stderr so that --json output on stdout stays parseable.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
-    from vllm_diffusion_plugin.doors.noise import quiet_third_party
-
     quiet_third_party(verbose=args.verbose)
     imports_started = time.perf_counter()
     missing = _missing_cli_extra()
@@ -405,7 +283,7 @@ def _main(argv: list[str] | None) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
     if args.command == "plan":
-        from vllm_diffusion_plugin.doors.planning import run_plan
+        from vllm_diffusion_plugin.doors.cli.planning import run_plan
 
         try:
             print(run_plan(args, options=_options(args)))
@@ -415,7 +293,12 @@ def _main(argv: list[str] | None) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
     try:
-        merged = run_demo(args) if args.command == "demo" else run_load(args)
+        if args.command == "demo":
+            merged = run_demo(args)
+        else:
+            from vllm_diffusion_plugin.doors.cli.load import run_load
+
+            merged = run_load(args, _options(args))
     except (Interrupted, KeyboardInterrupt, Exception) as exc:
         # Bad input or a failed rank: the message names the file, key or rank; a traceback only on request.
         return _failed(exc, args, interrupted="every rank stopped, nothing was written")
@@ -429,7 +312,3 @@ def _main(argv: list[str] | None) -> int:
                          "wall": (age or 0.0) + time.perf_counter() - started}
     print(json.dumps(merged, indent=2) if args.json else format_table(merged))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

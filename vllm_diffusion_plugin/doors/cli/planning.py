@@ -9,7 +9,18 @@ import argparse
 import json
 import os
 
-from vllm_diffusion_plugin.engine.preflight import size_text
+import torch
+
+from vllm_diffusion_plugin.engine.session import (
+    HSDPConfig,
+    LoraSpec,
+    accelerator_type,
+    check_plan,
+    plan_load,
+    private_rss,
+    resolve_target_device,
+    size_text,
+)
 
 
 def host_memory_total() -> int:
@@ -53,28 +64,10 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
-def add_plan_parser(sub, *, shared, formatter) -> None:
-    """The ``plan`` subcommand on ``sub``: ``shared(parser)`` adds the options it shares with ``load``."""
-    plan = sub.add_parser("plan", help="say from headers and meta skeletons what each rank of a load would read "
-                                       "and hold, per strategy (reads no weight byte)", formatter_class=formatter)
-    plan.add_argument("checkpoint", help="diffusers pipeline folder or component folder")
-    shared(plan)
-    plan.add_argument("--host-memory", metavar="SIZE", help="host memory per node (64GiB, 80GB, bytes); "
-                                                            "default: this machine's total RAM")
-    plan.add_argument("--device-memory", metavar="SIZE", help="memory per accelerator; default: the probed "
-                                                              "accelerator's (none on the CPU)")
-    plan.add_argument("--per-rank", action="store_true",
-                      help="one row per strategy and rank, then one per component (default: one line per strategy, "
-                           "the largest figures over its ranks)")
-
-
 def run_plan(args: argparse.Namespace, *, options) -> str:
     """The plan for ``args`` (the ``plan`` subcommand's flags), as the text the command prints."""
     import torch
 
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec, resolve_target_device
-    from vllm_diffusion_plugin.engine.plan import plan_load
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
@@ -98,7 +91,6 @@ def run_plan(args: argparse.Namespace, *, options) -> str:
     if getattr(args, "per_rank", False):
         return format_plan(plan, requested=options.hsdp_weight_load)
     return format_summary(plan, requested=options.hsdp_weight_load)
-
 
 
 def _header(plan) -> str:
@@ -160,23 +152,13 @@ PREFLIGHT_HOW = "--preflight warn (or VLLM_DIFFUSION_PREFLIGHT=warn)"
 
 
 def preflight_host(args: argparse.Namespace, *, options, world_size: int, under_torchrun: bool):
-    """``load``'s pre-flight for the host (``engine.preflight``), in the launching process before any rank starts:
-    the plan of this load against what this node has left, its ranks' host needs together plus, for ranks still to
-    be spawned, what each takes before its load (this process's private RSS now: the same imports). Returns the plan for
-    the ranks' device check (None with ``preflight`` off)."""
+    """``load``'s pre-flight for the host, in the launching process before any rank starts: the plan of this load
+    against what this node has left, its ranks' host needs together plus, for ranks still to be spawned, what each
+    takes before its load (this process's private RSS now: the same imports). Returns the plan for the ranks'
+    device check (None with ``preflight`` off)."""
     if options.preflight == "off":
         return None
-    import time
-
-    import torch
-
-    from vllm_diffusion_plugin.engine import platform, preflight
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
-    from vllm_diffusion_plugin.engine.pipeline import LoraSpec
-    from vllm_diffusion_plugin.engine.plan import plan_load
-
-    started = time.perf_counter()
-    device_type = args.device if args.device != "auto" else platform.accelerator_type() or "cpu"
+    device_type = args.device if args.device != "auto" else accelerator_type() or "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun else world_size
     plan = plan_load(args.checkpoint, options=options, components=args.components,
                      lora_specs=[LoraSpec.parse(t, default_scale=args.lora_scale) for t in args.lora],
@@ -184,25 +166,6 @@ def preflight_host(args: argparse.Namespace, *, options, world_size: int, under_
                      hsdp=HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size),
                      local_world_size=local, lora_headers_only=True)
     spawned = not under_torchrun and world_size > 1
-    starting = world_size * preflight.private_rss() if spawned else 0
-    host = preflight.host_available()
-    strategy = options.hsdp_weight_load
-    preflight.enforce([preflight.check_host(plan, strategy, host=host, starting=starting, first_run=False)],
-                      mode=options.preflight, how=PREFLIGHT_HOW)
-    need, ranks = plan.node_host_need(strategy, first_run=False)
-    preflight.logger.info("pre-flight: hsdp_weight_load=%r on %d rank(s) of this node: host peak %s of %s available "
-                          "(%s; %.2f s)", strategy, len(ranks), preflight.size_text(need + starting),
-                          preflight.size_text(host.available if host else None), host.source if host else "-",
-                          time.perf_counter() - started)
+    check_plan(plan, options.hsdp_weight_load, mode=options.preflight, how=PREFLIGHT_HOW, host=True,
+               starting=world_size * private_rss() if spawned else 0, first_run=False)
     return plan
-
-
-def preflight_device(plan, *, options, device, rank: int) -> None:
-    """``load``'s pre-flight for this rank's accelerator, before its first weight byte (a no-op on the CPU, with
-    ``preflight`` off, or where the rank fell back to another device than the one planned)."""
-    if plan is None or device.type != plan.device_type:
-        return
-    from vllm_diffusion_plugin.engine import platform, preflight
-
-    problem = preflight.check_device(plan, options.hsdp_weight_load, rank=rank, free=platform.free_memory(device))
-    preflight.enforce([problem], mode=options.preflight, how=PREFLIGHT_HOW)

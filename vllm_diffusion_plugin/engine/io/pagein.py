@@ -23,6 +23,7 @@ import sys
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine.errors import CheckpointError
 
 logger = init_logger(__name__)
 
@@ -33,8 +34,6 @@ _populate = {"works": sys.platform.startswith("linux")}
 def pread_into(fd: int, offset: int, dst: torch.Tensor, file) -> None:
     """Fill the contiguous CPU tensor ``dst`` with the file's bytes at ``offset`` (no mmap, no extra copy); an
     I/O error names the file and the byte it failed at."""
-    from vllm_diffusion_plugin.engine.checkpoint import CheckpointError
-
     view = memoryview(dst.detach().view(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):

@@ -1,5 +1,5 @@
-"""Exact LoRA fusion into pre-quantized FP8 weights with scales (issue 37, part 2: the arithmetic;
-``engine/prequant.py`` applies it to the FP8 checkpoints the load reads).
+"""The FP8 arithmetic every quantized path shares: quantize with a scale, dequantize, and a LoRA delta fused exactly
+into FP8 rows (``checkpoints`` and ``fuse`` apply it to the FP8 checkpoints a load reads).
 
 A ModelOpt / vLLM-serialized FP8 weight is ``q`` (``float8_e4m3fn``, ``[out, in]``) with a scale: one per tensor
 (0-dim) or one per output channel (``[out, 1]``); its value is ``q * scale``. Adding a LoRA delta exactly means

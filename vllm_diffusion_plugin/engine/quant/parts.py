@@ -1,10 +1,10 @@
-"""Pre-quantized FP8 checkpoints under vllm-omni's ``rank_local`` (``doors/omni/rank_local.py``): each rank reads its
-own rows of every FP8 weight and finishes them as ``full`` finishes the whole layer, bit for bit.
+"""Pre-quantized FP8 layers stacked from several checkpoint tensors (vllm-omni's, under ``rank_local``): each rank
+reads its own rows of every FP8 weight and finishes them as ``full`` finishes the whole layer, bit for bit.
 
 vllm-omni builds a ModelOpt FP8 checkpoint's linears with its quant config's FP8 layers: an FP8 ``weight`` ``[out,
 in]`` (q/k/v stacked in one ``to_qkv``: one *part* per checkpoint tensor) and, per tensor, one ``weight_scale`` and
 ``input_scale`` per part (``[parts]``), per channel one ``weight_scale`` per row (``[out]``). ``full`` reads the
-checkpoint into them, a LoRA fused first into each checkpoint tensor it targets (``load_path.StreamFuser``: the
+checkpoint into them, a LoRA fused first into each checkpoint tensor it targets (``fused_stream.StreamFuser``: the
 files' deltas summed in fp32, requantized once with a scale from the fused tensor); the method's post-processing
 then gives a per-tensor layer one scale, its parts' largest, and requantizes the other parts' rows to it. Once the
 scales are known every step is elementwise per row, so here:
@@ -14,7 +14,7 @@ scales are known every step is elementwise per row, so here:
   before vllm-omni shards: :func:`to_final_layout`); a per-tensor layer's part scales (4 bytes each) are read by
   every rank;
 - a part a LoRA targets: the files' deltas of this rank's rows summed in fp32 (the bias deltas into the bias rows),
-  fused into the rows with ``quant_fuse.fuse_fp8_rows`` -- per channel with each row's new amax, per tensor with the
+  fused into the rows with ``fp8.fuse_fp8_rows`` -- per channel with each row's new amax, per tensor with the
   part's, agreed by the shard group (one ``all_reduce(MAX)`` of 4 bytes per targeted part, every rank of the group
   taking part, with rows or without);
 - per tensor, each part's rows requantized to the largest part scale by the method itself (its ``requantize_rows``:
@@ -37,9 +37,22 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.quant_fuse import FP8
-from vllm_diffusion_plugin.engine.quant_shards import LayerNames, RowQuantError
-from vllm_diffusion_plugin.engine.strategies.rank_local import RowBinding
+from vllm_diffusion_plugin.engine.errors import RowQuantError
+from vllm_diffusion_plugin.engine.io.rows import (
+    RowBinding,
+    bound_local_rows,
+    read_bound_rows,
+)
+from vllm_diffusion_plugin.engine.io.stream import LoadStats, iterate_weights
+from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows
+from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8, fuse_fp8_rows, max_over
+from vllm_diffusion_plugin.engine.quant.online import (
+    LayerNames,
+    local_part,
+    shard_group,
+    transient_rows,
+)
 
 logger = init_logger(__name__)
 
@@ -68,27 +81,25 @@ class Fp8Layer(LayerNames):
     """Its weight's bindings (one per checkpoint tensor stacked into it), in row order: :func:`bind`."""
 
 
-def find_layers(modules: Mapping[str, nn.Module], dits: Sequence[Any]) -> dict[str, list[Fp8Layer]]:
-    """Each DiT's FP8 linears (an FP8 ``weight`` before anything is read), or :class:`RowQuantError` naming the first
-    whose method does not declare :data:`ROW_PROTOCOL`. Reads nothing."""
-    found = {}
-    for dit in dits:
-        layers = []
-        for name, sub in modules[dit.component].named_modules():
-            weight = sub._parameters.get("weight") if hasattr(sub, "_parameters") else None
-            if weight is None or weight.dtype != FP8:
-                continue
-            method, full_name = getattr(sub, "quant_method", None), dit.prefix + name
-            missing = [attr for attr in ROW_PROTOCOL if not hasattr(method, attr)]
-            if missing or method.scale_granularity not in ("tensor", "channel") or weight.dim() != 2:
-                raise RowQuantError(
-                    f"hsdp_weight_load=rank_local reads each rank's rows of a pre-quantized FP8 layer and finishes "
-                    f"them as the method finishes the whole layer; {type(method).__name__} (layer {full_name}, "
-                    f"{tuple(weight.shape)}) does not declare how ({', '.join(missing) or 'its scale granularity'} "
-                    f"missing; see doors/omni/rank_local_prequant): use hsdp_weight_load=full with this checkpoint")
-            layers.append(Fp8Layer(full_name, method))
-        found[dit.component] = layers
-    return found
+def find_fp8_layers(module: nn.Module, *, prefix: str = "") -> list[Fp8Layer]:
+    """The pre-quantized FP8 linears of ``module`` (an FP8 ``weight`` before anything is read; names prefixed with
+    ``prefix``), or :class:`RowQuantError` naming the first whose method does not declare :data:`ROW_PROTOCOL`.
+    Reads nothing."""
+    layers = []
+    for name, sub in module.named_modules():
+        weight = sub._parameters.get("weight") if hasattr(sub, "_parameters") else None
+        if weight is None or weight.dtype != FP8:
+            continue
+        method, full_name = getattr(sub, "quant_method", None), prefix + name
+        missing = [attr for attr in ROW_PROTOCOL if not hasattr(method, attr)]
+        if missing or method.scale_granularity not in ("tensor", "channel") or weight.dim() != 2:
+            raise RowQuantError(
+                f"hsdp_weight_load=rank_local reads each rank's rows of a pre-quantized FP8 layer and finishes "
+                f"them as the method finishes the whole layer; {type(method).__name__} (layer {full_name}, "
+                f"{tuple(weight.shape)}) does not declare how ({', '.join(missing) or 'its scale granularity'} "
+                f"missing; see engine/quant/parts): use hsdp_weight_load=full with this checkpoint")
+        layers.append(Fp8Layer(full_name, method))
+    return layers
 
 
 def bind(layers: Sequence[Fp8Layer], bindings: Sequence[RowBinding], source: Any) -> None:
@@ -136,8 +147,6 @@ def finish(dit: Any, module: nn.Module, layers: Sequence[Fp8Layer], bindings: Se
     """After the ordinary row read: read the per-tensor part scales, fuse the LoRA ``deltas`` (per file, those of the
     FP8 layers' checkpoint tensors) into this rank's rows, requantize the parts to their largest scale, install.
     Returns (checkpoint keys read, bytes read, ``FuseStats`` or None, seconds fusing)."""
-    from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
-    from vllm_diffusion_plugin.engine.weights import LoadStats, iterate_weights
 
     stats = LoadStats()
     dequantized = [b for b in bindings if isinstance(b, DequantizedBinding)]
@@ -183,9 +192,6 @@ def _fuse_parts(layer: Fp8Layer, bindings: Sequence[RowBinding], targets: Mappin
                 per_module: dict[str, list[dict[str, Any]]], scales: dict[str, torch.Tensor], *, fuser: Any):
     """Fuse every file's delta of each targeted part into this rank's rows of it (see the module doc); ``fuser``:
     the DiT's ``load_path.StreamFuser`` (its module names and fusion options). Returns the ``FuseStats`` or None."""
-    from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows, max_over
-    from vllm_diffusion_plugin.engine.quant_shards import local_part, shard_group, transient_rows
-    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows
 
     weight, total, summed = targets[layer.weight], None, None
     group = shard_group(weight) if layer.per_tensor else None
@@ -219,8 +225,6 @@ def _sum_deltas(rows: Mapping[str, torch.Tensor], binding: RowBinding, bindings:
                 targets: Mapping[str, torch.Tensor], per_file: Sequence[dict[str, Any]], fuser: Any):
     """Every file's delta of ``binding``'s checkpoint tensor summed into its rows of ``rows`` (fp32 transients, zero),
     its bias deltas into the bias rows in ``targets``, with the DiT's ``fuser``'s options; the ``FuseStats``."""
-    from vllm_diffusion_plugin.engine.strategies.rank_local import fuse_bound_rows
-
     biases = [b for b in bindings if b.key == binding.key.removesuffix(".weight") + ".bias"]
     return fuse_bound_rows({**rows, **{b.target: targets[b.target] for b in biases}}, [binding, *biases], per_file,
                            modules=fuser.modules, chunk_mb=fuser.chunk_mb, check_finite=fuser.check_finite,
@@ -230,8 +234,6 @@ def _sum_deltas(rows: Mapping[str, torch.Tensor], binding: RowBinding, bindings:
 def _to_top_scale(layer: Fp8Layer, targets: Mapping[str, torch.Tensor], scales: Mapping[str, torch.Tensor]) -> None:
     """A per-tensor layer's parts at their largest scale (the method's ``requantize_rows``), which becomes its one
     scale."""
-    from vllm_diffusion_plugin.engine.quant_shards import local_part
-    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows
 
     weight = targets[layer.weight]
     part_scales = [scales[scale_key(p.key)] for p in layer.parts]
@@ -250,9 +252,6 @@ def _dequantize(dit: Any, binding: DequantizedBinding, bindings: Sequence[RowBin
     the FP8 rows (and per channel their scales) read, a LoRA fused exactly first (as ``full``'s stream fuses it
     before the adapter), then ``rows.to(dtype) * scale.to(dtype)``, the adapter's arithmetic. Returns (the
     ``FuseStats`` or None, bytes read)."""
-    from vllm_diffusion_plugin.engine.quant_fuse import fuse_fp8_rows, max_over
-    from vllm_diffusion_plugin.engine.quant_shards import shard_group
-    from vllm_diffusion_plugin.engine.strategies.rank_local import bound_local_rows, read_bound_rows
 
     target = targets[binding.target]
     mine = bound_local_rows(binding, target)

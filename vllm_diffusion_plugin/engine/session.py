@@ -1,0 +1,418 @@
+"""The load session: one load on this rank, from the pre-flight to the report, whichever door it came through.
+
+    session = LoadSession(options, device=..., dtype=..., hsdp=..., lora_specs=...)
+    session.preflight(plan, how=...)           # the plan against this rank's memory, before a byte is read
+    loaded = session.load_all(checkpoint)      # resolve -> per component: read -> LoRA -> quantize -> post-process
+                                               #   -> shard (the strategy's), under the pressure watch -> report
+
+``load_all`` is the whole load of a diffusers checkpoint (the CLI's ranks, ``load_components``). A door whose
+framework builds the model (vLLM, vllm-omni) runs the same sequence with the parts it needs and hands the session
+only what it alone knows -- the model, its weight names, the rows it traced: ``adopt`` (sources it resolved: FP8
+check, file stamps, LoRAs assigned), ``prepare_loras`` / ``stream_fuser``, ``reading`` (integrity and bounded
+reads around its reads), ``staging`` (the pinned ring, its byte bound computed once per device), ``stream`` (a
+component's tensors, LoRA fused, counted), ``load_rows`` (``rank_local`` from traced row bindings), ``finish``
+(the report lines). Its options are ``config.LoadOptions``; every door turns its own into them.
+
+FSDP2 fixes the order: LoRA fusion and post-load processing run on plain tensors before ``fully_shard``, except
+under ``rank_local``, where the DiT is sharded on ``meta`` first and each rank reads and fuses its own rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.engine import preflight, pressure, weights
+from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
+from vllm_diffusion_plugin.engine.errors import (
+    DistributedLoadError,
+    PickleRefusedError,
+    StrategyError,
+    WeightLoadError,
+)
+from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, lora_fuser
+from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
+from vllm_diffusion_plugin.engine.io import integrity
+from vllm_diffusion_plugin.engine.io.checkpoint import (
+    ComponentSource,
+    is_transformer,
+    resolve_checkpoint,
+)
+from vllm_diffusion_plugin.engine.io.rows import RowBinding
+from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, place_module
+from vllm_diffusion_plugin.engine.io.stream import LoadStats, iterate_weights
+from vllm_diffusion_plugin.engine.io.threads import bounded_reads
+from vllm_diffusion_plugin.engine.lora.fuse import fuse_prepared
+from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora, prepare_lora_files
+from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
+from vllm_diffusion_plugin.engine.memory import (
+    free_memory,
+    peak_rss_bytes,
+    private_rss,
+    size_text,
+    status_memory,
+)
+from vllm_diffusion_plugin.engine.plan import plan_load, plan_module_load
+from vllm_diffusion_plugin.engine.platform import (
+    World,
+    accelerator_of,
+    accelerator_type,
+    local_device,
+    resolve_target_device,
+)
+from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
+from vllm_diffusion_plugin.engine.preflight import check as check_plan
+from vllm_diffusion_plugin.engine.quant.checkpoints import (
+    check_sources,
+    quantization_config,
+)
+from vllm_diffusion_plugin.engine.quant.parts import DequantizedBinding, bind, scale_key
+from vllm_diffusion_plugin.engine.quant.plan import online_fp8_hook
+from vllm_diffusion_plugin.engine.report import (
+    ComponentReport,
+    LoadReport,
+    format_table,
+    merge_ranks,
+    report_line,
+)
+from vllm_diffusion_plugin.engine.save import LoadedComponents, save_components
+from vllm_diffusion_plugin.engine.skeleton import build_component, component_class
+from vllm_diffusion_plugin.engine.strategies import LOADERS, LoadContext, check_strategy
+from vllm_diffusion_plugin.engine.strategies.broadcast import open_channel
+from vllm_diffusion_plugin.engine.strategies.rank_local import (
+    RowLoad,
+    load_bound_rows,
+    materialize_local_shards,
+    row_layers,
+    to_row_layout,
+)
+from vllm_diffusion_plugin.engine.weights import LoadResult
+
+logger = init_logger(__name__)
+
+__all__ = [  # the face the doors use: the session, its options and results, and what a door hands it
+    "LOAD_FORMAT", "ComponentReport", "ComponentSource", "DistributedLoadError", "HSDPConfig", "LoadOptions",
+    "PickleRefusedError", "StrategyError", "process_weights_after_loading", "quantization_config",
+    "LoadSession", "LoadedComponents", "LoraSpec", "RowBinding", "RowLoad", "StreamFuser", "WeightLoadError", "World",
+    "accelerator_of", "load_components", "local_device", "resolve_checkpoint", "resolve_target_device",
+    "save_components",
+    # rank_local behind a door that builds its model (vllm-omni): its quantized layers, their layout, the rows traced
+    "DequantizedBinding", "bind", "materialize_local_shards", "row_layers", "scale_key", "status_memory",
+    "to_row_layout",
+    # the pre-flight where no session loads (a launcher, an API server): the plan, the memory it is held against
+    "accelerator_type", "check_plan", "free_memory", "online_fp8_hook", "plan_load", "plan_module_load",
+    "private_rss", "size_text", "check_strategy",
+    # the reports of a load's ranks together
+    "format_table", "merge_ranks"]
+
+
+class LoadSession:
+    """One load on this rank (see the module docstring). Every rank of a world runs its own with the same arguments.
+
+    ``progress``: bars on rank 0 when stderr is a terminal -- True for every step, None only for reads over 1 GiB,
+    False never. ``quantization``: gives each DiT skeleton its online quant methods (``LoadContext.quantization``).
+    """
+
+    def __init__(self, options: LoadOptions, *, device: torch.device, dtype: torch.dtype,
+                 hsdp: HSDPConfig | None = None, lora_specs: Sequence[LoraSpec] = (), progress: bool | None = None,
+                 quantization=None, strategy: str = "full", world: World | None = None) -> None:
+        self.options, self.device, self.dtype = options, device, dtype
+        self.world = world or World.current()
+        self.hsdp = hsdp.resolved(self.world.world_size) if hsdp is not None else None
+        self.lora_specs, self.progress, self.quantization = list(lora_specs), progress, quantization
+        self.report = LoadReport(rank=self.world.rank, world_size=self.world.world_size, device=str(device),
+                                 dtype=str(dtype).removeprefix("torch."), read_threads=options.threads,
+                                 strategy=strategy)
+        if self.hsdp is not None:
+            self.report.layout = self.hsdp.mesh_shape
+        self.sources: dict[str, ComponentSource] = {}
+        self.loras: dict[str, list[LoraSpec]] = {}
+        self._stamps: dict[str, dict] = {}
+        self._staging: dict[torch.device, DeviceStaging | None] = {}
+        self._context: LoadContext | None = None
+
+    # ---- before the first weight byte ---------------------------------------------------------------------------
+    def preflight(self, plan, *, how: str, strategy: str | None = None, host: bool = False, rank: int | None = None,
+                  starting: int = 0, before_verdict=None, strategies: Sequence[str] | None = None) -> None:
+        """``plan`` held against this rank's accelerator (and, with ``host``, this node's host memory): refused,
+        warned about or said as ``options.preflight`` says (``preflight.check``; ``how``: how this door's user sets
+        it to ``warn``)."""
+        if plan is None:
+            return
+        preflight.check(plan, strategy or self.options.hsdp_weight_load, mode=self.options.preflight, how=how,
+                        host=host, device=self.device, rank=self.world.rank if rank is None else rank,
+                        starting=starting, before_verdict=before_verdict, strategies=strategies)
+
+    def resolve(self, checkpoint: str | os.PathLike, *, components: Sequence[str] | None = None) -> list[ComponentSource]:
+        """The checkpoint's components (headers only), adopted (:meth:`adopt`)."""
+        with self.report.phase("resolve"):
+            sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=self.options.allow_pickle)
+        self.adopt(sources)
+        return sources
+
+    def adopt(self, sources: Sequence[ComponentSource], *, dits: Sequence[str] | None = None,
+              lora_specs: Sequence[LoraSpec] | None = None, our_quantization: bool = True) -> None:
+        """Take ``sources`` into this load: each file stamped right after its header was read (a file that changes
+        later is named), the LoRA files (``lora_specs``, default the session's) assigned to ``dits`` (default: the
+        components that are diffusers transformers), and -- ``our_quantization``: the layers are ours, not a
+        framework's -- pre-quantized FP8 checkpoints carried, any other pre-quantization refused by name."""
+        if lora_specs is not None:
+            self.lora_specs = list(lora_specs)
+        with self.report.phase("resolve"):
+            if our_quantization:
+                check_sources(sources)
+            for source in sources:
+                self.sources[source.name] = source
+                self._stamps[source.name] = integrity.stamp(source.files)
+        if dits is None:
+            dits = [s.name for s in self.sources.values() if is_transformer(s)]
+        self.loras = assign_loras(self.lora_specs, dits) if self.lora_specs else {}
+
+    def watch(self, what: str, *, whole_process: bool = False):
+        """The memory-pressure watch (``pressure``) for ``what``: for the block (a context manager), or with
+        ``whole_process`` for as long as the process lives (a server worker's load and first run)."""
+        return pressure.watch_process(what) if whole_process else pressure.watching(what)
+
+    def mark_baseline(self) -> None:
+        """This process's RSS now is what the load starts from (``LoadReport.baseline_rss_bytes``)."""
+        self.report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
+
+    def lora_files(self, name: str) -> list[tuple[str, float]]:
+        """``(path, scale)`` of the LoRA files component ``name`` gets, in fusion order."""
+        return [(str(s.path), s.scale) for s in self.loras.get(name, ())]
+
+    def prepare_loras(self, source: ComponentSource, *, module: nn.Module | None = None,
+                      packed_modules: Mapping[str, Sequence[str]] | None = None) -> list[PreparedLora]:
+        """``source``'s LoRA files read and checked (keys, ranks, shapes) against ``module`` -- default its skeleton
+        built on ``meta`` from its config -- before any of its weights is read; empty without any."""
+        files = self.lora_files(source.name)
+        if not files:
+            return []
+        with self.report.phase("lora"):
+            module = module if module is not None else build_component(source, dtype=self.dtype, device="meta")
+            return prepare_lora_files(module, files, strict=self.options.lora_strict, packed_modules=packed_modules,
+                                      component=source.name)
+
+    def stream_fuser(self, source: ComponentSource, *, dtype: torch.dtype | None = None) -> StreamFuser | None:
+        """The fuser of ``source``'s checkpoint stream (:meth:`stream`) for its LoRA files, checked against its
+        skeleton built on ``meta`` before any weight is read; None without any."""
+        options = self.options
+        with self.report.phase("lora"):
+            return lora_fuser(source, self.lora_files(source.name), dtype=dtype or self.dtype,
+                              strict=options.lora_strict, chunk_mb=options.lora_device_chunk_mb,
+                              check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
+
+    def component(self, source: ComponentSource, *, name: str | None = None) -> ComponentReport:
+        """A new entry of the report for ``source`` (``name``: the component's name in the door's model)."""
+        entry = ComponentReport(name=name or source.name, class_name=str(source.config.get("_class_name", "?")),
+                                files=len(source.files), lora_files=len(self.loras.get(source.name, ())))
+        self.report.components.append(entry)
+        return entry
+
+    # ---- reads --------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def reading(self, *names: str) -> Iterator[None]:
+        """Around reads of components ``names`` (and what consumes them): a file of one that changed since it was
+        stamped is named (``io.integrity``), and no read waits longer than ``read_timeout_s``."""
+        with contextlib.ExitStack() as stack:
+            for name in names:
+                stack.enter_context(integrity.unchanged(self._stamps[name], component=name))
+            stack.enter_context(bounded_reads(self.options.read_timeout_s))
+            yield
+
+    def staging(self, device: torch.device | None) -> DeviceStaging | None:
+        """The pinned staging ring for reads landing on ``device`` (``pinned_staging_mb``), one per device and
+        load; None on the host, with 0 bytes, or where pinned memory cannot be had."""
+        if device is None:
+            return None
+        if device not in self._staging:
+            self._staging[device] = DeviceStaging.open(device, max_bytes=self.options.pinned_staging_mb << 20,
+                                                       threads=self.options.threads)
+        return self._staging[device]
+
+    def stream(self, source: ComponentSource, *, entry: ComponentReport, fuser: StreamFuser | None = None,
+               device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``source``'s tensors in order, LoRA fused by ``fuser``, on ``device`` through the staging ring when it is
+        an accelerator; bytes, tensors, seconds and the LoRA counted into ``entry``. A file that changed since it
+        was stamped is named once its tensors were read, or when a read failed; a failure in the consumer is the
+        caller's to check (:meth:`reading`)."""
+        stats, start = LoadStats(), time.perf_counter()
+        with self.reading(source.name):
+            if fuser is not None and (keys := fuser.fp8_scale_keys()):
+                fuser.read_fp8_scales(iterate_weights(source, stats=stats, keys=keys))
+            for name, tensor in iterate_weights(source, stats=stats, threads=self.options.threads,
+                                                staging=self.staging(device)):
+                if fuser is None:
+                    yield name, tensor
+                else:
+                    yield from fuser.items(name, tensor)
+        entry.bytes_read, entry.tensors = stats.total_bytes, stats.tensors
+        if fuser is not None:
+            fuser.check_consumed(source.name)
+            entry.record_lora(fuser.stats, fuser.seconds)
+        entry.read_s = time.perf_counter() - start - entry.lora_s
+
+    def fill(self, module: nn.Module, source: ComponentSource, *, entry: ComponentReport) -> LoadResult:
+        """Every tensor of ``source`` into ``module`` -- through the module's own ``load_weights`` where it has one
+        (a model vLLM built) -- strictly checked, onto its accelerator through the staging ring; counted into
+        ``entry``."""
+        with self.reading(source.name):
+            result = weights.load_into_module(module, source=source, strict_unexpected=self.options.strict_unexpected,
+                                      threads=self.options.threads, staging=self.staging(accelerator_of([module])))
+        entry.bytes_read, entry.tensors, entry.read_s = result.bytes_read, len(result.loaded), result.seconds
+        return result
+
+    def tensors(self, source: ComponentSource, *, device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``source``'s tensors by checkpoint name, in order (on ``device`` through the staging ring)."""
+        return iterate_weights(source, threads=self.options.threads, staging=self.staging(device))
+
+    def fuse(self, module: nn.Module, prepared: Sequence[PreparedLora], *, entry: ComponentReport):
+        """The prepared LoRA files fused into ``module``'s loaded weights, file after file, with the device rule
+        (``lora.fuse``); counted into ``entry``. Returns the ``FuseStats``."""
+        start = time.perf_counter()
+        options = self.options
+        stats = fuse_prepared(module, prepared, chunk_mb=options.lora_device_chunk_mb,
+                              check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
+        entry.record_lora(stats, time.perf_counter() - start)
+        return stats
+
+    def shard(self, module: nn.Module, *, entry: ComponentReport):
+        """``module`` sharded with HSDP over the current world when it declares ``_hsdp_shard_conditions`` or
+        ``hsdp_block_pattern`` is set (else None): FSDP2 over a ``(replicate, shard)`` mesh of the options' sizes."""
+        if not getattr(module, "_hsdp_shard_conditions", None) and not self.options.hsdp_block_pattern:
+            return None
+        if self.world.world_size == 1 and not dist.is_initialized():
+            raise RuntimeError("HSDP was requested but torch.distributed is not initialized")
+        config = HSDPConfig(replicate_size=self.options.hsdp_replicate_size, shard_size=self.options.hsdp_shard_size)
+        shard = apply_hsdp(module, mesh=build_mesh(config, device_type=self.device.type), config=config,
+                           pattern=self.options.hsdp_block_pattern)
+        entry.param_bytes_local, entry.sharded_blocks, entry.shard_rule = shard.local_bytes, len(shard.blocks), \
+            shard.source
+        return shard
+
+    # ---- a component through the strategies -----------------------------------------------------------------
+    def load_all(self, checkpoint: str | os.PathLike, *, components: Sequence[str] | None = None) -> LoadedComponents:
+        """Every component of ``checkpoint`` (default: its DiTs) loaded on this rank, the DiTs sharded with HSDP when
+        the session has an HSDP config, the others placed on the device; the report finished."""
+        sources = self.resolve(checkpoint, components=components)
+        with self.report.phase("imports"):  # code, not weights: a diffusers model module pulls in ~400 MB and seconds
+            for source in sources:
+                component_class(source)
+        self.mark_baseline()
+        loaded = LoadedComponents({}, {s.name: s for s in sources}, self.report, progress=self.progress)
+        with self.report.phase("total"), self.watch(f"rank {self.world.rank}'s load of {checkpoint}"):
+            context = self._open(sources)
+            for source in sources:
+                loaded.modules[source.name] = self.load(source, context=context, shard_reports=loaded.shard_reports)
+            if context.channel is not None:  # not after a failure: a group with a dead peer may block in teardown
+                context.channel.close()
+        self.finish()
+        return loaded
+
+    def _open(self, sources: Sequence[ComponentSource]) -> LoadContext:
+        """The strategy, the LoRA files checked against ``meta`` skeletons (errors before any base read), the mesh,
+        the staging ring and, for ``broadcast``, its channel: what every component of the load shares."""
+        sharded = self.hsdp is not None
+        self.report.strategy = check_strategy(self.options.hsdp_weight_load, sources=sources,
+                                              world_size=self.world.world_size, sharded=sharded)
+        for source in sources:
+            self.prepare_loras(source)
+        mesh = build_mesh(self.hsdp, device_type=self.device.type) if sharded else None
+        context = LoadContext(options=self.options, device=self.device, dtype=self.dtype, report=self.report,
+                              hsdp=self.hsdp, mesh=mesh, progress=self.progress if self.world.rank == 0 else False,
+                              staging=self.staging(self.device), quantization=self.quantization)
+        if self.report.strategy == "broadcast":
+            context = dataclasses.replace(context, channel=open_channel(self.options, self.device))
+        return context
+
+    def load(self, source: ComponentSource, *, context: LoadContext, shard_reports: dict[str, object]) -> nn.Module:
+        """One component: read (by strategy) -> LoRA -> post-process -> shard the DiTs / place the rest."""
+        with self.reading(source.name):  # a file changed under the load is named, also while the module views it
+            return self._load(source, context=context, shard_reports=shard_reports)
+
+    def _load(self, source: ComponentSource, *, context: LoadContext, shard_reports: dict[str, object]) -> nn.Module:
+        report, strategy, mesh = self.report, self.report.strategy, context.mesh
+        entry = self.component(source)
+        sharded = is_transformer(source) and mesh is not None
+        load = LOADERS["full" if strategy == "rank_local" and not sharded else strategy]
+        before = dict(report.seconds)
+        out = load(source, context=context, lora_files=self.lora_files(source.name))
+        entry.read_s, entry.lora_s = (report.seconds.get(p, 0.0) - before.get(p, 0.0) for p in ("read", "lora"))
+        module = out.module.requires_grad_(False)  # inference: FSDP2 then accepts mixed fp32/bf16 params
+        entry.bytes_read, entry.tensors = out.bytes_read, out.tensors
+        entry.param_bytes_total = sum(p.numel() * p.element_size() for p in module.parameters())
+        if out.lora is not None:
+            entry.record_lora(out.lora, entry.lora_s)
+        with report.phase("postprocess"):  # online-quant finalize + HSDP-aware post-load processing
+            process_weights_after_loading(module, target_device=context.device)
+        with report.phase("shard"):
+            shard = out.shard
+            if sharded and shard is None:
+                shard = apply_hsdp(module, mesh=mesh, config=context.hsdp, pattern=context.options.hsdp_block_pattern,
+                                   staging=context.staging, threads=context.options.threads)
+            if shard is not None:
+                shard_reports[source.name] = shard
+                entry.param_bytes_local = shard.local_bytes
+                entry.sharded_blocks, entry.shard_rule = len(shard.blocks), shard.source
+            else:
+                place_module(module, context.device, context.staging, threads=context.options.threads)
+                entry.param_bytes_local = entry.param_bytes_total
+        logger.info("Loaded %s %s from %s on %s%s", source.name, entry.class_name, source.folder, context.device,
+                    f", sharded {entry.sharded_blocks} blocks ({entry.shard_rule})" if entry.shard_rule else "")
+        return module
+
+    def load_rows(self, source: ComponentSource, *, entry: ComponentReport, rows: RowLoad,
+                  fuser: StreamFuser | None) -> set[str]:
+        """``rank_local`` for a DiT its door sharded on ``meta`` and whose rows it traced (``rows``): this rank's
+        rows read, LoRA fused into them, quantized where its layers are; counted into ``entry``. Returns the
+        checkpoint keys read."""
+        start = time.perf_counter()
+        with self.reading(source.name):
+            done = load_bound_rows(source, rows, fuser=fuser, options=self.options, staging=self.staging(rows.device))
+        entry.bytes_read, entry.tensors = done.bytes_read, len(done.keys)
+        entry.read_s = time.perf_counter() - start - done.lora_s
+        if done.lora is not None or done.lora_s:
+            entry.record_lora(done.lora, done.lora_s)
+        return done.keys
+
+    def finish(self, *, total_s: float | None = None, names: Iterable[str] | None = None,
+               log: logging.Logger | None = None) -> LoadReport:
+        """The report finished (the peak RSS), one INFO line per component on ``log`` -- the door's logger -- and
+        returned (``report.report_line``; ``names``: the components to report, a default entry for one this rank did
+        not read)."""
+        report = self.report.finish()
+        by_name = {c.name: c for c in report.components}
+        total = report.seconds.get("total", 0.0) if total_s is None else total_s
+        for name in by_name if names is None else names:
+            entry = by_name.get(name) or ComponentReport(name=name, class_name="?")
+            (log or logger).info("%s total_s=%.3f peak_rss=%d baseline_rss=%d", report_line(report, entry), total,
+                        peak_rss_bytes(), report.baseline_rss_bytes)
+        return report
+
+
+def load_components(checkpoint: str | os.PathLike, *, options: LoadOptions, components: Sequence[str] | None = None,
+                    device: torch.device, dtype: torch.dtype, hsdp: HSDPConfig | None = None,
+                    lora_specs: Sequence[LoraSpec] = (), progress: bool | None = None,
+                    quantization=None) -> LoadedComponents:
+    """Load a diffusers checkpoint's components on this rank, ending sharded (HSDP) or on ``device``
+    (``LoadSession.load_all``). Transformers get the LoRA files and, when ``hsdp`` is given, FSDP2 sharding over a
+    ``(replicate, shard)`` mesh of the current world; every rank must call this with the same arguments."""
+    session = LoadSession(options, device=device, dtype=dtype, hsdp=hsdp, lora_specs=lora_specs, progress=progress,
+                          quantization=quantization)
+    return session.load_all(checkpoint, components=components)
+
+
+def prepare_loras(source: ComponentSource, specs: Sequence[LoraSpec], *, dtype: torch.dtype, strict: bool) -> list:
+    """The LoRA files of one DiT read and checked against its skeleton built on ``meta`` (a session's
+    ``prepare_loras`` without a session: the vllm-omni API server's check, before any worker starts)."""
+    skeleton = build_component(source, dtype=dtype, device="meta")
+    return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict, component=source.name)
