@@ -317,6 +317,25 @@ def _param_bytes(params) -> tuple[int, int]:
     return local, total
 
 
+def _resolved_on(mesh, config: HSDPConfig) -> HSDPConfig:
+    """``config`` resolved for ``mesh``'s size, or ValueError when the mesh's shape is not its ``(R, S)``."""
+    config = config.resolved(mesh.size())
+    expected = config.mesh_shape if mesh.ndim == 2 or config.replicate_size > 1 else (config.shard_size,)
+    if tuple(mesh.shape) != expected:
+        raise ValueError(f"HSDP mesh shape {tuple(mesh.shape)} does not match replicate_size x shard_size "
+                         f"{config.mesh_shape}")
+    return config
+
+
+def _all_gather_dtype(model: nn.Module, config: HSDPConfig) -> torch.dtype | None:
+    """The dtype FSDP2 all-gathers in: ``config.param_dtype``, or each parameter's stored one with fp8 present."""
+    has_fp8 = any(p.dtype in _FP8_DTYPES for p in model.parameters())
+    if has_fp8 and config.param_dtype is not None:
+        logger.info("fp8 parameters present: FSDP all-gathers stored dtypes (param_dtype %s not applied).",
+                    config.param_dtype)
+    return None if has_fp8 else config.param_dtype
+
+
 def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequence[ShardCondition] | None = None,
                pattern: str | None = None, allow_meta: bool = False, staging: Any = None,
                threads: int = 1) -> ShardReport:
@@ -332,22 +351,14 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
 
     if isinstance(model, FSDPModule):
         raise ValueError(f"{type(model).__name__} is already sharded with FSDP2")
-    config = config.resolved(mesh.size())
-    expected = config.mesh_shape if mesh.ndim == 2 or config.replicate_size > 1 else (config.shard_size,)
-    if tuple(mesh.shape) != expected:
-        raise ValueError(f"HSDP mesh shape {tuple(mesh.shape)} does not match replicate_size x shard_size "
-                         f"{config.mesh_shape}")
+    config = _resolved_on(mesh, config)
     selection = select_blocks(model, pattern=pattern, conditions=conditions)
     device = _mesh_device(mesh)
     ignored, made_contiguous = _prepare_params(model, device, allow_meta)
     if made_contiguous:
         logger.info("Made %d non-contiguous parameters contiguous for FSDP2 (e.g. %s).",
                     len(made_contiguous), ", ".join(made_contiguous[:3]))
-    has_fp8 = any(p.dtype in _FP8_DTYPES for p in model.parameters())
-    param_dtype = None if has_fp8 else config.param_dtype
-    if has_fp8 and config.param_dtype is not None:
-        logger.info("fp8 parameters present: FSDP all-gathers stored dtypes (param_dtype %s not applied).",
-                    config.param_dtype)
+    param_dtype = _all_gather_dtype(model, config)
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": config.reshard_after_forward,
                               "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
                                                                 reduce_dtype=config.reduce_dtype)}

@@ -71,6 +71,17 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _rename_into_place(tmp: Path, out_dir: Path) -> None:
+    """``tmp`` renamed to ``out_dir``; an ``out_dir`` already there is moved aside first and removed after."""
+    if out_dir.exists():
+        backup = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        out_dir.rename(backup)
+        tmp.rename(out_dir)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
+
+
 def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor], config: Mapping[str, Any] | None,
                    out_dir: str | os.PathLike, *, max_shard_size: int | str = "2GB",
                    overwrite: bool = False, progress: bool | None = None) -> Path:
@@ -116,13 +127,7 @@ def save_component(module_or_state_dict: nn.Module | Mapping[str, torch.Tensor],
                 bar.update(sum(state[key].nbytes for key in keys))
         weight_map = {key: names[name] for key, name in split.tensor_to_filename.items()}
         _write_json(tmp / INDEX_NAME, {"metadata": dict(split.metadata), "weight_map": weight_map})
-        if out_dir.exists():
-            backup = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            out_dir.rename(backup)
-            tmp.rename(out_dir)
-            shutil.rmtree(backup, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        _rename_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,20 +1,11 @@
 """The load session: one load on this rank, from the pre-flight to the report, whichever door it came through.
 
-    session = LoadSession(options, device=..., dtype=..., hsdp=..., lora_specs=...)
-    session.preflight(plan, how=...)           # the plan against this rank's memory, before a byte is read
-    loaded = session.load_all(checkpoint)      # resolve -> per component: read -> LoRA -> quantize -> post-process
-                                               #   -> shard (the strategy's), under the pressure watch -> report
-
-``load_all`` is the whole load of a diffusers checkpoint (the CLI's ranks, ``load_components``). A door whose
-framework builds the model (vLLM, vllm-omni) runs the same sequence with the parts it needs and hands the session
-only what it alone knows -- the model, its weight names, the rows it traced: ``adopt`` (sources it resolved: FP8
-check, file stamps, LoRAs assigned), ``prepare_loras`` / ``stream_fuser``, ``reading`` (integrity and bounded
-reads around its reads), ``staging`` (the pinned ring, its byte bound computed once per device), ``stream`` (a
-component's tensors, LoRA fused, counted), ``load_rows`` (``rank_local`` from traced row bindings), ``finish``
-(the report lines). Its options are ``config.LoadOptions``; every door turns its own into them.
-
-FSDP2 fixes the order: LoRA fusion and post-load processing run on plain tensors before ``fully_shard``, except
-under ``rank_local``, where the DiT is sharded on ``meta`` first and each rank reads and fuses its own rows.
+``load_all`` is the whole load of a diffusers checkpoint (the CLI's ranks, ``load_components``): resolve -> per
+component read -> LoRA -> quantize -> post-process -> shard (by strategy), under the pressure watch -> report. A door
+whose framework builds the model (vLLM, vllm-omni) runs the same order with the parts it needs, handing over only
+what it alone knows (the model, its names, the rows it traced): ``preflight``, ``adopt``, ``prepare_loras`` /
+``stream_fuser``, ``reading``, ``staging``, ``stream`` / ``fill`` / ``load_rows``, ``fuse``, ``shard``,
+``finish``. This module is the engine's face: the doors import from it alone.
 """
 
 from __future__ import annotations
@@ -75,6 +66,7 @@ from vllm_diffusion_plugin.engine.quant.checkpoints import (
     check_sources,
     quantization_config,
 )
+from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
 from vllm_diffusion_plugin.engine.quant.parts import DequantizedBinding, bind, scale_key
 from vllm_diffusion_plugin.engine.quant.plan import online_fp8_hook
 from vllm_diffusion_plugin.engine.report import (
@@ -103,8 +95,8 @@ __all__ = [  # the face the doors use: the session, its options and results, and
     "LOAD_FORMAT", "ComponentReport", "ComponentSource", "DistributedLoadError", "HSDPConfig", "LoadOptions",
     "PickleRefusedError", "StrategyError", "process_weights_after_loading", "quantization_config",
     "LoadSession", "LoadedComponents", "LoraSpec", "RowBinding", "RowLoad", "StreamFuser", "WeightLoadError", "World",
-    "accelerator_of", "load_components", "local_device", "resolve_checkpoint", "resolve_target_device",
-    "save_components",
+    "accelerator_of", "is_transformer", "load_components", "local_device", "resolve_checkpoint",
+    "resolve_target_device", "save_components", "ROW_WISE_METHODS",
     # rank_local behind a door that builds its model (vllm-omni): its quantized layers, their layout, the rows traced
     "DequantizedBinding", "bind", "materialize_local_shards", "row_layers", "scale_key", "status_memory",
     "to_row_layout",
@@ -116,11 +108,9 @@ __all__ = [  # the face the doors use: the session, its options and results, and
 
 
 class LoadSession:
-    """One load on this rank (see the module docstring). Every rank of a world runs its own with the same arguments.
-
-    ``progress``: bars on rank 0 when stderr is a terminal -- True for every step, None only for reads over 1 GiB,
-    False never. ``quantization``: gives each DiT skeleton its online quant methods (``LoadContext.quantization``).
-    """
+    """One load on this rank (see the module docstring); every rank of a world runs its own with the same arguments.
+    ``progress``: bars on rank 0 when stderr is a terminal (True always, None over 1 GiB, False never);
+    ``quantization``: gives each DiT skeleton its online quant methods (``LoadContext.quantization``)."""
 
     def __init__(self, options: LoadOptions, *, device: torch.device, dtype: torch.dtype,
                  hsdp: HSDPConfig | None = None, lora_specs: Sequence[LoraSpec] = (), progress: bool | None = None,
@@ -138,7 +128,6 @@ class LoadSession:
         self.loras: dict[str, list[LoraSpec]] = {}
         self._stamps: dict[str, dict] = {}
         self._staging: dict[torch.device, DeviceStaging | None] = {}
-        self._context: LoadContext | None = None
 
     # ---- before the first weight byte ---------------------------------------------------------------------------
     def preflight(self, plan, *, how: str, strategy: str | None = None, host: bool = False, rank: int | None = None,
@@ -409,10 +398,3 @@ def load_components(checkpoint: str | os.PathLike, *, options: LoadOptions, comp
     session = LoadSession(options, device=device, dtype=dtype, hsdp=hsdp, lora_specs=lora_specs, progress=progress,
                           quantization=quantization)
     return session.load_all(checkpoint, components=components)
-
-
-def prepare_loras(source: ComponentSource, specs: Sequence[LoraSpec], *, dtype: torch.dtype, strict: bool) -> list:
-    """The LoRA files of one DiT read and checked against its skeleton built on ``meta`` (a session's
-    ``prepare_loras`` without a session: the vllm-omni API server's check, before any worker starts)."""
-    skeleton = build_component(source, dtype=dtype, device="meta")
-    return prepare_lora_files(skeleton, [(s.path, s.scale) for s in specs], strict=strict, component=source.name)

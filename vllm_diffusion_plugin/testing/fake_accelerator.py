@@ -1,48 +1,12 @@
 """``fakeacc``: a pure-Python accelerator for tests that must know *where* math ran.
 
-Tensors on ``torch.device("fakeacc", 0)`` are real tensors with real data: each device storage is
-backed by one host (CPU) storage, and every op dispatched to the device runs on CPU views of those
-storages. Numbers therefore equal CPU numbers bit for bit, while every host<->device copy,
-allocation and op is counted, and probe / copy failures can be simulated. The backend is built on
-PyTorch's private, experimental ``torch.utils.backend_registration.
-_setup_privateuseone_for_python_backend`` (PrivateUse1 renamed to ``fakeacc``) plus kernels
-registered with ``torch.library``: a boxed fallback for the PrivateUse1 key, and explicit kernels
-for ``_copy_from`` (H2D/D2H counting), ``_local_scalar_dense`` (``.item()``) and ``resize_``.
-
-How storages work: a device storage is a non-owning storage whose data pointer is the address of
-its host backing storage (so ``data_ptr()`` values are distinct and real), and a registry maps that
-address to the owning host storage. Views share the device storage, so aliasing is exact: writing
-through a slice changes the base; strides, offsets and ``is_contiguous()`` match CPU. Host
-storages are released once no device storage refers to them (checked lazily).
-
-Works (tested in tests/test_fake_accelerator.py, same numbers as CPU): ``x.to(dev)``,
-``.to("cpu")``, ``.item()``, ``torch.empty/zeros/ones(..., device=dev)``, ``with torch.device(dev):
-nn.Linear(...)`` (same init as CPU under the same seed), ``nn.Linear(...).to(dev)`` and forward,
-``load_state_dict``, ``mm``/``addmm_``/``A @ B * s``, ``add_``/``sub_``/``copy_``, views
-(``t()``, slices, ``view``, ``narrow``, ``contiguous()``), ``isfinite``/``all``, casts to
-float32/bfloat16/float16/float8_e4m3fn, and FSDP2 ``fully_shard`` on a one-process fake mesh
-(``testing.fake_mesh``). Any other aten op with a CPU kernel runs through the fallback.
-Like a real accelerator, an op mixing device tensors with non-scalar CPU tensors raises
-"Expected all tensors to be on the same device" (index tensors of indexing ops excepted).
-
-Does not work: FSDP2 *forward*/backward (it needs device streams and ``untyped_storage().resize_``,
-i.e. the C++-only ``resizePrivateUse1Bytes`` hook) -- use multi-process gloo on CPU for HSDP
-numerics; real collectives (the fake process group runs them but returns garbage);
-``pin_memory()`` (``torch.fakeacc.pinned_empty`` stands for it); device RNG generators (device randomness
-draws from the CPU generator); the generic ``torch.Stream``/``torch.Event`` (``torch.fakeacc.Stream``/``Event``
-model asynchronous copies instead: :mod:`.fake_streams`); ``torch.accelerator.synchronize/empty_cache/
-memory_allocated`` (they reach C++ device-guard/allocator hooks; generic code calling
-``getattr(torch, dev.type).synchronize()`` etc. gets ``torch.fakeacc``, which has them).
-PrivateUse1 can be renamed once per process, so ``fakeacc`` cannot coexist with another
-PrivateUse1 backend (e.g. torch_npu) in one process; :func:`install` raises if one is present.
-
-Memory: ``memory_allocated()`` is the bytes of live device storages; ``peak_bytes`` the most live at once
-since ``reset_counters`` (taken at every allocation).
-
-Counter semantics: ``h2d_bytes`` counts bytes landing on the device (destination dtype),
-``d2h_bytes`` bytes leaving it (source dtype); ``.item()`` is a D2H copy of one element;
-``op_counts`` counts every aten op the device handled, by schema name (``"aten::mm"``), including
-factories, views and copies; CPU ops are never counted.
+Tensors on ``torch.device("fakeacc", 0)`` are real tensors with real data: each device storage is backed by one
+host storage, and every op dispatched to the device runs on CPU views of it, so numbers equal CPU numbers bit for
+bit while every host<->device copy, allocation and op is counted, and probe / copy / pinned-memory failures can be
+simulated. Built on PyTorch's PrivateUse1 Python backend (renamed ``fakeacc``) with ``torch.library`` kernels: a
+boxed fallback, ``_copy_from`` (H2D/D2H counting), ``_local_scalar_dense`` and ``resize_``. What works, what does
+not (FSDP2's forward, real collectives, ``pin_memory()``) and what the counters mean: docs/development.md, "The fake
+accelerator".
 """
 
 from __future__ import annotations

@@ -13,18 +13,23 @@ refusals.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
-from vllm_diffusion_plugin.engine.io.checkpoint import (
+from vllm_diffusion_plugin.engine.session import (
+    LOAD_FORMAT,
+    ROW_WISE_METHODS,
+    LoadOptions,
+    LoadSession,
+    LoraSpec,
     is_transformer,
     resolve_checkpoint,
 )
-from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
-from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
-from vllm_diffusion_plugin.engine.session import prepare_loras
 
 logger = init_logger(__name__)
 
@@ -64,9 +69,6 @@ def check_lora_entries(options: Any, model: Any) -> None:
     """Every ``lora_path`` entry's file exists, and a component it names is one that a local pipeline folder's
     ``model_index.json`` lists (whether that component is a DiT the workers decide); else an error naming the
     entry, before any worker starts."""
-    import json
-    from pathlib import Path
-
 
     specs = [(text, LoraSpec.parse(text, default_scale=options.lora_scale)) for text in options.lora_path]
     for text, spec in specs:
@@ -91,20 +93,15 @@ def check_lora_files(options: Any, od_config: Any) -> None:
     fuses nothing) against its DiT's skeleton built on ``meta`` from the folder's ``config.json``, so that a bad
     LoRA stops the API server in seconds instead of every worker after it built its pipeline. A model that is no
     local folder (a hub id) is left to the workers. Errors name the file, the component and the first keys."""
-    from pathlib import Path
-
-    import torch
-
-
     model = field_of(od_config, "model", None)
     if not options.lora_path or not model or not Path(str(model)).is_dir():
         return
+    session = LoadSession(options, device=torch.device("cpu"), dtype=torch.float32,
+                          lora_specs=[LoraSpec.parse(text, default_scale=options.lora_scale) for text in options.lora_path])
     dits = [s for s in resolve_checkpoint(str(model), allow_pickle=options.allow_pickle) if is_transformer(s)]
-    specs = [LoraSpec.parse(text, default_scale=options.lora_scale) for text in options.lora_path]
-    loras = assign_loras(specs, [s.name for s in dits])
+    session.adopt(dits, our_quantization=False)  # quantization: the workers' check, with vllm-omni's config
     for source in dits:
-        if loras.get(source.name):
-            prepare_loras(source, loras[source.name], dtype=torch.float32, strict=options.lora_strict)
+        session.prepare_loras(source)
 
 
 def carried(od_config: Any) -> bool:

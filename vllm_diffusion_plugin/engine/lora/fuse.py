@@ -41,7 +41,7 @@ from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine import platform
 from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, to_device
 from vllm_diffusion_plugin.engine.lora.prepare import prepare_lora_files
-from vllm_diffusion_plugin.engine.lora.types import LoraDelta
+from vllm_diffusion_plugin.engine.lora.types import FuseStats, LoraDelta
 from vllm_diffusion_plugin.engine.lora.weight import (
     DeviceFailure,
     LoraFusionError,
@@ -62,33 +62,6 @@ logger = init_logger(__name__)
 __all__ = ["FuseStats", "HostSide", "LoraFusionError", "NonFiniteFusionError", "PartiallyFusedError", "cpu_kernel",
            "forget_side_timings", "fuse_lora", "fuse_lora_files", "fuse_prepared", "fuse_weight_", "host_side",
            "record_side_timings", "resolve_compute_device", "side_timings", "unfuse_lora"]
-
-
-@dataclass(frozen=True)
-class FuseStats:
-    """What one fuse/unfuse did.
-
-    ``compute_device``: the accelerator used for at least one weight, else ``"cpu"``. ``cpu_kernel``: the
-    CPU rule's choices when any weight was fused on the CPU (``"native"``, ``"fp32-chunks"``, joined by ``+``
-    when both were used), else None.
-    ``targets``: LoRA targets (file keys grouped per module) applied; ``params``: tensors modified;
-    ``fallbacks``: weights moved to the CPU path after an accelerator failure; ``host_rule``: where host-resident
-    weights were fused and why, when an accelerator was usable (``HostSide.why``), else None.
-    """
-
-    compute_device: str
-    cpu_kernel: str | None
-    targets: int
-    params: int
-    fallbacks: int
-    seconds: float
-    host_rule: str | None = None
-
-    def __add__(self, other: FuseStats) -> FuseStats:
-        accel = self.compute_device if self.compute_device != "cpu" else other.compute_device
-        return FuseStats(accel, self.cpu_kernel or other.cpu_kernel, self.targets + other.targets,
-                         self.params + other.params, self.fallbacks + other.fallbacks, self.seconds + other.seconds,
-                         self.host_rule or other.host_rule)
 
 
 def resolve_compute_device() -> torch.device | None:

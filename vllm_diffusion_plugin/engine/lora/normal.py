@@ -225,17 +225,7 @@ def normalize_lora(
                                   f"{split[1]} of {found[0]}")
         groups[found][split[1]] = (key, tensor)
     if unmatched:
-        listing = ", ".join(unmatched[:20]) + (f" (and {len(unmatched) - 20} more)" if len(unmatched) > 20 else "")
-        message = (f"{len(unmatched)} of {len(entries)} LoRA keys{via} match no module of "
-                   f"{type(module).__name__}: {listing}")
-        if refusal is not None:
-            message += f"; {refusal}"
-        elif not diffusers_layouts.diffusers_available():
-            message += (f"; diffusers, not installed here, converts more layouts (kohya / ComfyUI / XLabs FLUX, "
-                        f"Z-Image and Qwen-Image original naming, ...): {diffusers_layouts.INSTALL_HINT}")
-        if strict:
-            raise UnmatchedLoraKeysError(message)
-        logger.warning("%s; skipping them (strict=False)", message)
+        _unmatched(unmatched, len(entries), module, via=via, refusal=refusal, strict=strict)
     elif refusal is not None:
         logger.info("Read the LoRA keys with our own grammar: %s", refusal)
 
@@ -252,6 +242,21 @@ def normalize_lora(
     logger.info("Normalized %d LoRA keys into %d targets of %s (scale %s, wan naming: %s)%s",
                 len(entries) - len(unmatched), len(deltas), type(module).__name__, scale, wan, via)
     return deltas
+
+
+def _unmatched(keys: Sequence[str], total: int, module: nn.Module, *, via: str, refusal: str | None,
+               strict: bool) -> None:
+    """LoRA ``keys`` that match no module: an error naming them (strict), else a warning."""
+    listing = ", ".join(keys[:20]) + (f" (and {len(keys) - 20} more)" if len(keys) > 20 else "")
+    message = f"{len(keys)} of {total} LoRA keys{via} match no module of {type(module).__name__}: {listing}"
+    if refusal is not None:
+        message += f"; {refusal}"
+    elif not diffusers_layouts.diffusers_available():
+        message += (f"; diffusers, not installed here, converts more layouts (kohya / ComfyUI / XLabs FLUX, "
+                    f"Z-Image and Qwen-Image original naming, ...): {diffusers_layouts.INSTALL_HINT}")
+    if strict:
+        raise UnmatchedLoraKeysError(message)
+    logger.warning("%s; skipping them (strict=False)", message)
 
 
 def _slice_delta(name: str, parts: dict, scale: float, config: Mapping | None) -> tuple:

@@ -1,4 +1,5 @@
-"""The shared LoRA types: the normal form (``LoraDelta``), a read file (``LoraFile``) and every format error.
+"""The shared LoRA types: the normal form (``LoraDelta``), a read file (``LoraFile``), what a fusion did
+(``FuseStats``) and every format error.
 
 Every layout module (``peft``, ``kohya``, ``wan``, ``diffusers_layouts``) and the dispatch (``normal``) import
 from here and from nowhere else in this package, so the package has no import circle.
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "LoraConversionError", "LoraDelta", "LoraFile", "LoraFormatError", "LoraRankError", "LoraShapeError",
+    "FuseStats", "LoraConversionError", "LoraDelta", "LoraFile", "LoraFormatError", "LoraRankError", "LoraShapeError",
     "NoLoraTargetsError", "NonFiniteLoraError", "PartialPackedLoraError", "UnmatchedLoraKeysError",
     "UnsupportedLoraError",
 ]
@@ -86,3 +87,30 @@ class LoraFile:
     path: Path
     state_dict: dict[str, torch.Tensor]
     adapter_config: dict | None
+
+
+@dataclass(frozen=True)
+class FuseStats:
+    """What one fuse/unfuse did.
+
+    ``compute_device``: the accelerator used for at least one weight, else ``"cpu"``. ``cpu_kernel``: the
+    CPU rule's choices when any weight was fused on the CPU (``"native"``, ``"fp32-chunks"``, joined by ``+``
+    when both were used), else None.
+    ``targets``: LoRA targets (file keys grouped per module) applied; ``params``: tensors modified;
+    ``fallbacks``: weights moved to the CPU path after an accelerator failure; ``host_rule``: where host-resident
+    weights were fused and why, when an accelerator was usable (``HostSide.why``), else None.
+    """
+
+    compute_device: str
+    cpu_kernel: str | None
+    targets: int
+    params: int
+    fallbacks: int
+    seconds: float
+    host_rule: str | None = None
+
+    def __add__(self, other: FuseStats) -> FuseStats:
+        accel = self.compute_device if self.compute_device != "cpu" else other.compute_device
+        return FuseStats(accel, self.cpu_kernel or other.cpu_kernel, self.targets + other.targets,
+                         self.params + other.params, self.fallbacks + other.fallbacks, self.seconds + other.seconds,
+                         self.host_rule or other.host_rule)

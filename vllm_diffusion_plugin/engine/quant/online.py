@@ -192,6 +192,22 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _quantize_rows_into(layer: QuantLayer, rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        amax: torch.Tensor | None) -> None:
+    """``rows`` (this rank's, load dtype) quantized by ``layer``'s method into its fp8 ``weight`` rows and ``scale``
+    (per tensor: from the agreed ``amax``), row chunk by row chunk: elementwise per row, so chunks change no bit,
+    they only bound the temporaries."""
+    if layer.per_tensor:
+        scale.copy_(layer.method.quantize_rows(rows[:0], amax)[1])
+    for c in row_chunks(rows):
+        statistic = amax if layer.per_tensor else layer.method.row_amax(rows[c])
+        qrows, qscale = layer.method.quantize_rows(rows[c], statistic)
+        weight[c].copy_(qrows)
+        if not layer.per_tensor:
+            scale[c].copy_(qscale)
+        del qrows, qscale
+
+
 def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, targets: Mapping[str, torch.Tensor],
                       blocks: Sequence[str], read: Callable[[dict[str, torch.Tensor]], None],
                       fuse: Callable[[dict[str, torch.Tensor], Sequence[QuantLayer]], None],
@@ -231,18 +247,8 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
                 report.collectives += 1
                 report.reduced_bytes += packed.numel() * packed.element_size()
             for layer in members:
-                rows = local_part(transients[layer.weight])
                 weight, scale = local_part(targets[layer.weight]), local_part(targets[layer.scale])
-                if layer.per_tensor:
-                    scale.copy_(layer.method.quantize_rows(rows[:0], amax[layer.weight])[1])
-                for c in row_chunks(rows):  # elementwise per row: chunks change no bit, only bound the temporaries
-                    statistic = amax[layer.weight] if layer.per_tensor else layer.method.row_amax(rows[c])
-                    qrows, qscale = layer.method.quantize_rows(rows[c], statistic)
-                    weight[c].copy_(qrows)
-                    if not layer.per_tensor:
-                        scale[c].copy_(qscale)
-                    del qrows, qscale
-                del rows
+                _quantize_rows_into(layer, local_part(transients[layer.weight]), weight, scale, amax.get(layer.weight))
                 owner = module.get_submodule(layer.module.removeprefix(prefix))
                 layer.method.install_rows(owner)
                 setattr(owner, PROCESSED_ATTR, True)

@@ -80,12 +80,26 @@ def materialize_local_shards(module: nn.Module, device: torch.device, buffers: d
             module.get_buffer(name).copy_(value)
 
 
+def _validated(module: nn.Module, source: ComponentSource, targets: Mapping[str, torch.Tensor],
+               layers: Sequence[QuantLayer], *, strict_unexpected: bool) -> set[str]:
+    """The headers checked against ``targets`` before any read (online-quantized weights against the dtype ``full``
+    loads them in; only their scales are ours); the names the checkpoint need not hold."""
+    exempt = strict_check_exemptions(module)
+    quantized = {layer.weight: layer for layer in layers}
+    if layers:
+        exempt = {n for n in exempt if not n.startswith(tuple(f"{layer.module}." for layer in layers))}
+        exempt |= {layer.scale for layer in layers}
+    checked = {k: (torch.empty((), dtype=quantized[k].dtype).expand(quantized[k].shape) if k in quantized else t)
+               for k, t in targets.items() if k not in exempt or k in source.tensors}
+    validate_headers(module, checked, source.tensors, exempt=exempt, strict_unexpected=strict_unexpected,
+                     origin=str(source.folder))
+    return exempt
+
+
 def load_rank_local(source: ComponentSource, *, context: LoadContext,
                     lora_files: Sequence[tuple[str, float]]) -> ComponentLoad:
-    """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA.
-
-    Needs ``context.mesh`` and ``context.hsdp`` (the pipeline sends only sharded DiTs here)."""
-
+    """Load one DiT sharded from the start: meta skeleton -> FSDP2 -> local shards -> own rows -> local LoRA
+    (``context.mesh`` and ``context.hsdp`` given: the session sends only sharded DiTs here)."""
     options, report, device = context.options, context.report, context.device
     origin, cls_name = str(source.folder), str(source.config.get("_class_name", "?"))
     with report.phase("build"):
@@ -104,15 +118,8 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
                            allow_meta=True)
         materialize_local_shards(module, device, buffers)
     targets = module.state_dict(keep_vars=True)
-    exempt = strict_check_exemptions(module)
+    exempt = _validated(module, source, targets, layers, strict_unexpected=options.strict_unexpected)
     quantized = {layer.weight: layer for layer in layers}
-    if layers:  # their weights are checked against the dtype full loads them in; only the scales are ours
-        exempt = {n for n in exempt if not n.startswith(tuple(f"{layer.module}." for layer in layers))}
-        exempt |= {layer.scale for layer in layers}
-    checked = {k: (torch.empty((), dtype=quantized[k].dtype).expand(quantized[k].shape) if k in quantized else t)
-               for k, t in targets.items() if k not in exempt or k in source.tensors}
-    validate_headers(module, checked, source.tensors, exempt=exempt, strict_unexpected=options.strict_unexpected,
-                     origin=origin)  # headers only
     plain = {k: t for k, t in targets.items() if k not in quantized}
     with report.phase("read"):
         loaded, stats = _read_local_rows(source, plain, context.progress, context.options.threads, context.staging)
