@@ -132,7 +132,6 @@ class StreamFuser:
                              f"{sorted(self._by_tensor)[:10]}")
 
 
-
 def lora_fuser(source: ComponentSource, lora_files: Sequence[tuple[str, float]], *, dtype: torch.dtype, strict: bool,
                chunk_mb: int, check_finite: bool = False, host_weights: str = "auto") -> StreamFuser | None:
     """The fuser of ``source``'s stream for ``lora_files`` (path, scale), every file read and checked against the

@@ -173,7 +173,6 @@ class LoadedComponents:
     """Progress bars for ``save_components`` (as ``load_components`` got)."""
 
 
-
 def save_components(loaded: LoadedComponents, out_dir: str | os.PathLike | None) -> list[Path]:
     """Write every loaded component as a diffusers folder ``out_dir/<name>`` holding its final (fused, gathered)
     weights; sharded modules are gathered collectively and written by rank 0 (other ranks may pass None)."""

@@ -107,7 +107,6 @@ def register() -> str:
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-
     if CpuModelOptFp8LinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
         linear.WEIGHT_LOADER_V2_SUPPORTED.append(CpuModelOptFp8LinearMethod.__name__)
     register_quantization_config("modelopt")(CpuModelOptFp8Config)

@@ -28,7 +28,6 @@ def register_fake_process_group() -> None:
         )
 
 
-
 @contextlib.contextmanager
 def fake_mesh(
     shape: tuple[int, ...] = (1, 2), *, mesh_dim_names: tuple[str, ...] | None = ("replicate", "shard")

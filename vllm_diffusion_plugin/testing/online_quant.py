@@ -143,7 +143,6 @@ def register_omni_override() -> tuple[str, str]:
     vllm-omni's DiTs on a CPU host. Labelled as what it is: a test method, not vLLM's fp8."""
     from vllm_omni.quantization.factory import register_quantization_override
 
-
     register_quantization_override("torch_fp8", lambda **_: torch_fp8_config(False))
     register_quantization_override("torch_fp8_per_channel", lambda **_: torch_fp8_config(True))
     ROW_WISE_METHODS.update({"torch_fp8", "torch_fp8_per_channel"})

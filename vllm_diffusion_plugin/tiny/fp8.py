@@ -21,7 +21,6 @@ def fused_fp8_copy(root: Path, out: Path, loras: list[Path], *, component: str =
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-
     shutil.copytree(root, out)
     deltas: dict[str, torch.Tensor] = {}
     for path in loras:

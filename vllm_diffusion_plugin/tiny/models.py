@@ -120,7 +120,6 @@ def write_wan_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtyp
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
-
     root = Path(root)
     tokenizer = t5_tokenizer(_TINY_WORDS)
     tokenizer.save_pretrained(root / "tokenizer")

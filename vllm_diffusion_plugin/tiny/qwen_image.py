@@ -41,7 +41,6 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-
     root = Path(root)
     tokenizer = qwen2_tokenizer()
     tokenizer.save_pretrained(root / "tokenizer")

@@ -72,7 +72,6 @@ def _write_lightx2v_lora(transformer: Path, out: Path) -> Path:
     """Keys in original Wan naming for every attention/FFN linear and the head (with a bias delta)."""
     from safetensors.torch import save_file
 
-
     model = _load_dit(transformer)
     gen = torch.Generator().manual_seed(22)
     tensors: dict[str, torch.Tensor] = {}

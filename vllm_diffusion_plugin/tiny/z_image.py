@@ -43,7 +43,6 @@ def write_runtime_components(root: Path, *, seed: int = 0, dtype: torch.dtype = 
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-
     root = Path(root)
     tokenizer = qwen2_tokenizer(special=QWEN3_SPECIAL, chat_template=QWEN3_CHAT_TEMPLATE)
     tokenizer.save_pretrained(root / "tokenizer")

@@ -68,7 +68,6 @@ def run_plan(args: argparse.Namespace, *, options) -> str:
     """The plan for ``args`` (the ``plan`` subcommand's flags), as the text the command prints."""
     import torch
 
-
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -37,7 +37,6 @@ def join(device: torch.device, *, collective_timeout_s: float, read_timeout_s: f
     collective bounded by ``collective_timeout_s``; one INFO line says both bounds."""
     import torch.distributed as dist
 
-
     if device.type != "cpu":
         getattr(torch, device.type).set_device(device)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
@@ -84,7 +83,6 @@ def collectives(what: str, *, timeout_s: float) -> Iterator[None]:
     """Around work whose collectives exchange ``what``: a failed collective is raised as ``DistributedLoadError``
     in one line (:func:`describe`); any other error, and one a strategy already said, as it is."""
     import torch.distributed as dist
-
 
     started = time.monotonic()
     try:

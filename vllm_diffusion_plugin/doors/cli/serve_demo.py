@@ -49,7 +49,6 @@ def run(*, nproc: int = 1, keep: Path | None = None, out_dir: Path | None = None
     check_omni()
     import torch
 
-
     if nproc not in (1, 2):
         raise ValueError(f"demo --serve runs 1 or 2 ranks, got --nproc {nproc}")
     out = Path(out_dir or Path.cwd()).resolve()

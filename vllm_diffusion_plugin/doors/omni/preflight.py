@@ -61,7 +61,6 @@ def _parallel(od_config: Any) -> Any:
 def _plan(options: Any, od_config: Any, *, model: str, device_type: str):
     import torch
 
-
     parallel = _parallel(od_config)
     world = int(getattr(parallel, "world_size", 1) or 1)
     if getattr(parallel, "use_hsdp", False):
@@ -98,7 +97,6 @@ def _plan_or_none(options: Any, od_config: Any, *, model: str, device_type: str)
 
 
 def _device_type() -> str:
-
     return "cpu" if envs.get("VLLM_DIFFUSION_OMNI_CPU") else accelerator_type() or "cpu"
 
 

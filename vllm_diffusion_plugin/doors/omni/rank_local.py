@@ -250,7 +250,6 @@ def _shard_on_meta(module: nn.Module, hsdp_config: Any, device: torch.device) ->
     moves with ``.to(device)``, which a meta tensor cannot do: those are allocated on ``device`` first."""
     from vllm_omni.diffusion.distributed.hsdp import apply_hsdp_to_model
 
-
     kept = []
     for name in getattr(module, "_hsdp_ignored_modules", None) or ():
         try:

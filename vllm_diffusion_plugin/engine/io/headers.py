@@ -21,7 +21,6 @@ from vllm_diffusion_plugin.engine.io.threads import bounded
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
-
 # safetensors dtype strings -> torch dtypes (only the ones this torch build has)
 SAFETENSORS_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({
     name: getattr(torch, attr) for name, attr in (
@@ -107,28 +106,6 @@ def _read_header(path: Path) -> dict[str, TensorInfo]:
     except Exception as exc:
         raise CheckpointError(f"{path}: invalid safetensors file: {exc}") from exc
     return dict(sorted(infos.items(), key=lambda item: item[1].offset))
-
-
-def unchanged_data_start(source, file: Path, keys) -> int:
-    """Where the data of safetensors ``file`` starts, once its header (read again) still describes ``keys`` as
-    ``source`` resolved them; ``CheckpointError`` naming the changed tensors otherwise. For readers that ``pread``
-    tensors at their resolved offsets."""
-    header = read_safetensors_header(file)
-    changed = [k for k in keys if header.get(k) != source.tensors[k]]
-    if changed:
-        raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
-    return data_start(file)
-
-
-def data_start(file: Path) -> int:
-    """Where the data of safetensors ``file`` starts (its header length read again, waited for at most the read
-    timeout)."""
-    return bounded(f"{file} (reading its header)", _data_start, file)
-
-
-def _data_start(file: Path) -> int:
-    with open(file, "rb") as f:
-        return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
 def read_pickle_manifest(path: Path) -> dict[str, TensorInfo]:

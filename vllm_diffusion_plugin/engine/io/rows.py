@@ -20,10 +20,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from vllm_diffusion_plugin.engine.errors import CheckpointError, DistributedLoadError
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
-from vllm_diffusion_plugin.engine.io.headers import unchanged_data_start
 from vllm_diffusion_plugin.engine.io.pagein import pread_into
 from vllm_diffusion_plugin.engine.io.staging import StagedCopy
-from vllm_diffusion_plugin.engine.io.stream import LoadStats, open_file
+from vllm_diffusion_plugin.engine.io.stream import (
+    LoadStats,
+    open_file,
+    unchanged_data_start,
+)
 from vllm_diffusion_plugin.engine.io.threads import read_ahead
 from vllm_diffusion_plugin.engine.progress import progress_bar
 

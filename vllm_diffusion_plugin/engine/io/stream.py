@@ -11,6 +11,7 @@ onto an accelerator each tensor's bytes are ``pread`` into the staging ring inst
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,7 @@ import torch
 from vllm_diffusion_plugin.engine.errors import CheckpointError
 from vllm_diffusion_plugin.engine.io import pagein
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
-from vllm_diffusion_plugin.engine.io.headers import (
-    TensorInfo,
-    data_start,
-    unchanged_data_start,
-)
+from vllm_diffusion_plugin.engine.io.headers import TensorInfo, read_safetensors_header
 from vllm_diffusion_plugin.engine.io.pagein import pread_tensor
 from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, StagedCopy
 from vllm_diffusion_plugin.engine.io.threads import bounded, read_ahead
@@ -267,3 +264,25 @@ def _generate(source: ComponentSource, stats: LoadStats | None, keys: Collection
         reads.close()
         if bar is not None:
             bar.close()
+
+
+def unchanged_data_start(source, file: Path, keys) -> int:
+    """Where the data of safetensors ``file`` starts, once its header (read again) still describes ``keys`` as
+    ``source`` resolved them; ``CheckpointError`` naming the changed tensors otherwise. For readers that ``pread``
+    tensors at their resolved offsets."""
+    header = read_safetensors_header(file)
+    changed = [k for k in keys if header.get(k) != source.tensors[k]]
+    if changed:
+        raise CheckpointError(f"{file}: tensors {changed[:5]} changed since the checkpoint was resolved")
+    return data_start(file)
+
+
+def data_start(file: Path) -> int:
+    """Where the data of safetensors ``file`` starts (its header length read again, waited for at most the read
+    timeout)."""
+    return bounded(f"{file} (reading its header)", _data_start, file)
+
+
+def _data_start(file: Path) -> int:
+    with open(file, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]

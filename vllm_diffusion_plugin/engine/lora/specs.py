@@ -42,7 +42,6 @@ class LoraSpec:
         return cls(Path(path), scale, component or None)
 
 
-
 def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict[str, list[LoraSpec]]:
     """Which LoRA files each transformer gets.
 

@@ -20,7 +20,6 @@ _WAN_HINT = re.compile(  # tokens only original Wan naming has (dotted, or under
     r"|(^|[._])(text_embedding|time_embedding)[._][02]([._]|$)|(^|[._])time_projection[._]1([._]|$)")
 
 
-
 def _wan_table() -> list[tuple[str, str]]:
     """(original Wan name, diffusers WanTransformer3DModel name); ``{i}`` is a block index."""
     table = [("blocks.{i}.ffn.0", "blocks.{i}.ffn.net.0.proj"), ("blocks.{i}.ffn.2", "blocks.{i}.ffn.net.2"),

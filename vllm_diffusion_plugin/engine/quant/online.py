@@ -218,7 +218,6 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
     ``blocks``: the FSDP2 unit names (layers outside them form one last group)."""
     import torch.distributed as dist
 
-
     report = QuantReport()
     groups: dict[str, list[QuantLayer]] = {}
     for layer in layers:

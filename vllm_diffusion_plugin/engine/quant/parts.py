@@ -56,6 +56,7 @@ from vllm_diffusion_plugin.engine.quant.online import (
 
 logger = init_logger(__name__)
 
+
 @dataclass(frozen=True)
 class DequantizedBinding(RowBinding):
     """Rows of an FP8 checkpoint tensor that vllm-omni's ModelOpt adapter dequantizes into a layer it built unquantized

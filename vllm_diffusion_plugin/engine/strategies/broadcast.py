@@ -250,7 +250,6 @@ class _Sender:
         return lambda data: pack_bucket(data, bucket, self.targets, self.staging, threads=self.threads)
 
     def _fuse_pending(self) -> None:
-
         if not self.pending:
             return
         started = time.perf_counter()

@@ -23,7 +23,6 @@ class Segment:
     """Where the segment starts in the bucket (elements of the bucket's dtype)."""
 
 
-
 @dataclass(frozen=True)
 class Bucket:
     """One broadcast: a flat run of elements of a single dtype."""
@@ -37,7 +36,6 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
-
 
 
 def plan_buckets(entries: Sequence[tuple[str, int, torch.dtype]], *, bucket_bytes: int) -> list[Bucket]:
@@ -69,7 +67,6 @@ def plan_buckets(entries: Sequence[tuple[str, int, torch.dtype]], *, bucket_byte
         if segments:
             plan.append(Bucket(dtype, fill[dtype], tuple(segments), len(entries) - 1))
     return plan
-
 
 
 def plan_digest(plan: Sequence[Bucket]) -> str:
