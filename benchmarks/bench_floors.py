@@ -11,7 +11,7 @@ does not overlap. On one host, in one run:
   pinned -> device (half the bytes, a host-speed cast), both in GB of fp32 source per second;
 - page-cache reads of a warm ``--size-gb`` file with ``os.preadv`` in 64 MiB jobs into pinned memory (plain memory
   on a CPU host) with 1, 4, 8 and 16 threads;
-- the file through ``reader.DeviceStaging`` (our ring: read threads into pinned buffers, copies on a copy stream)
+- the file through ``staging.DeviceStaging`` (our ring: read threads into pinned buffers, copies on a copy stream)
   into device memory, with 8 threads: what our loads can reach on this host, against the rows above.
 
 Nothing here is a goal: gpu_proof.py and bench_load.py state their goals as ratios to these figures. On a CPU host

@@ -8,7 +8,7 @@ in ``--out-dir``. Each measurement runs ``--repeats`` times after the page cache
   (a) floor       raw ``safe_open().get_tensor`` -> ``param.copy_`` into a preallocated module (onto an accelerator:
                   the naive pageable copy, the speed loads ran at before the staging ring)
   (b1) ours        ``load_into_module(module, source=...)`` (validation + iterate_weights) into the same module;
-                  onto an accelerator through ``reader.DeviceStaging`` (pinned ring, copy stream, ``--read-threads``)
+                  onto an accelerator through ``staging.DeviceStaging`` (pinned ring, copy stream, ``--read-threads``)
   (b2) ours e2e    ``build_component`` (meta skeleton, uninitialized storage) + ``load_into_module`` (on the CPU
                   with ``map_private``, as the pipeline: weights view a copy-on-write mapping of the file; onto
                   an accelerator built there and filled through the ring, as the pipeline's ``full`` does)

@@ -95,7 +95,7 @@ def detach_layerwise_processing(layer: Any) -> bool:
     """Undo vLLM's online-quant layerwise wrapping of ``layer`` (``initialize_online_processing``): each
     parameter's ``weight_loader`` back to the one it wrapped, the layer's loading record reset (so neither a load
     nor ``finalize_layerwise_processing`` processes it). For loads that quantize the layer themselves
-    (``engine.quant_shards`` under ``rank_local``). False when this vLLM has no layerwise machinery."""
+    (``engine.quant.online`` under ``rank_local``). False when this vLLM has no layerwise machinery."""
     records = _optional("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO")
     if records is None:
         return False
@@ -126,7 +126,7 @@ def may_hold_vllm_layers(model: Any) -> bool:
     its class: vLLM decides by ``isinstance(..., QuantizeMethodBase)``, which an ABC registration satisfies with
     no vLLM class in the method's MRO), or some module's class derives from a class defined in vLLM or vllm-omni.
     A diffusers DiT has neither, and then vLLM's attention and quantization modules (seconds to import) need not
-    be imported to know that none of them is there. A pre-quantized checkpoint's FP8 layers (``engine.fp8_layer``,
+    be imported to know that none of them is there. A pre-quantized checkpoint's FP8 layers (``engine.quant.layer``,
     ``serialized``: nothing to process after loading) do not count."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)

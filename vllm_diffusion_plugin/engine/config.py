@@ -56,14 +56,14 @@ class LoadOptions:
     vllm-omni doors load in their framework's world, whose groups they create."""
     read_timeout_s: float = 300.0
     """Seconds the load waits for one read handed to the read threads (a tensor, a range of rows, a staging
-    buffer) before it fails naming the file and the offset: a store that stopped answering (``engine.reader``)."""
+    buffer) before it fails naming the file and the offset: a store that stopped answering (``engine.io``)."""
     read_threads: int | None = None
-    """Threads reading checkpoint bytes ahead of the load, results in checkpoint order (``engine.reader``);
+    """Threads reading checkpoint bytes ahead of the load, results in checkpoint order (``engine.io``);
     1 reads on the loading thread alone. Unset: 4 (:attr:`threads`), except behind vllm-omni's door, which
     takes vllm-omni's own ``num_weight_load_threads`` (1 with ``enable_multithread_weight_load`` off)."""
     pinned_staging_mb: int = 256
     """Page-locked host memory (MiB) a load onto an accelerator stages its bytes through at most
-    (``reader.DeviceStaging``: a ring the read threads fill and a copy stream empties); 0 copies from pageable
+    (``staging.DeviceStaging``: a ring the read threads fill and a copy stream empties); 0 copies from pageable
     memory, as does a host where pinned memory cannot be had."""
     lora_host_weights: str = "auto"
     """Where LoRA deltas are fused into host-resident weights when an accelerator is usable: ``auto`` (the

@@ -45,7 +45,7 @@ class StreamFuser:
     stats: Any = None
     seconds: float = 0.0
     fp8_layers: frozenset[str] = frozenset()
-    """Module names whose checkpoint weight is FP8 with a ``weight_scale`` (``prequant.fp8_layers``)."""
+    """Module names whose checkpoint weight is FP8 with a ``weight_scale`` (``quant.checkpoints.fp8_layers``)."""
     _by_tensor: dict[str, list[tuple[Any, str]]] = field(default_factory=dict)
     _scales: dict[str, torch.Tensor] = field(default_factory=dict)
     _replaced: frozenset[str] = frozenset()
@@ -84,7 +84,7 @@ class StreamFuser:
 
     def _fuse_fp8(self, name: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every file's delta of FP8 weight ``name`` fused into private copies of it and its scale by the engine's
-        exact FP8 fusion (``prequant.fuse_fp8_layers``: summed in fp32, added once, requantized once)."""
+        exact FP8 fusion (``quant.fuse.fuse_fp8_layers``: summed in fp32, added once, requantized once)."""
         start = time.perf_counter()
         module = name.removesuffix(".weight")
         scale_key = f"{module}.weight_scale"

@@ -344,7 +344,7 @@ def apply_hsdp(model: nn.Module, *, mesh, config: HSDPConfig, conditions: Sequen
     Run after LoRA fusion and post-load processing (FSDP2 wants plain, contiguous, materialized tensors).
     ``allow_meta``: accept a skeleton on ``meta`` (the rank-local load: shard first, then ``to_empty`` allocates
     only the local shards and each rank reads its own rows; see ``strategies.rank_local``). ``staging``
-    (``reader.DeviceStaging``): a host-resident block crosses to the mesh's accelerator through it just before
+    (``staging.DeviceStaging``): a host-resident block crosses to the mesh's accelerator through it just before
     FSDP2 shards it (FSDP2's own move is a pageable copy), one block at a time as FSDP2 would.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard

@@ -3,7 +3,7 @@
 ``plan_load`` resolves the checkpoint (headers only, ``checkpoint.resolve_checkpoint``), builds every component's
 skeleton on ``meta`` (``skeleton.build_component``), checks the LoRA files against it (``lora.prepare_lora_files``)
 and models, per rank and per component, each ``hsdp_weight_load`` strategy as the engine runs it -- the CLI path
-(``pipeline.load_components``), where a diffusers DiT binds each checkpoint key to its own parameter. Under
+(``session.load_components``), where a diffusers DiT binds each checkpoint key to its own parameter. Under
 vllm-omni (``doors/omni/rank_local.py``) stacked q/k/v are three row bindings into one parameter: the rows a rank
 reads can differ from what is planned here for those parameters; the totals of the other tensors are the same.
 
@@ -24,7 +24,7 @@ reads can differ from what is planned here for those parameters; the totals of t
   ``load --json`` (peak RSS minus ``baseline_rss_bytes``, taken after the model classes are imported):
   ``docs/plan-and-memory.md``.
 - the library code a CPU load pages in after its imports (:data:`LOAD_CODE_BYTES`): in ``host_peak``, not in
-  ``host_private_peak`` (clean file pages). Online quantization: ``plan_quant``.
+  ``host_private_peak`` (clean file pages). Online quantization: ``quant.plan``.
 - accelerator memory (device not ``cpu``): the local shards plus the LoRA chunk; the first run's peak beside it.
 
 The result types and the fit logic: ``plan_result`` (re-exported here).
@@ -101,9 +101,9 @@ class _Shape:
     quantized: dict[str, tuple[int, int, int, bool, int]] = field(default_factory=dict)
     """Online-quantized weight -> (quantized bytes, its scale's bytes, its FSDP block's index, per-tensor scale,
     elements): the load reads it in the load dtype (``tensors``) and holds it quantized (``quant_shards``;
-    ``plan_quant``)."""
+    ``quant.plan``)."""
     fp8_fuse: int = 0
-    """Elements of the largest pre-quantized FP8 weight a LoRA fuses into (``prequant.fuse_transient_bytes``)."""
+    """Elements of the largest pre-quantized FP8 weight a LoRA fuses into (``quant.fuse.fuse_transient_bytes``)."""
 
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
@@ -274,7 +274,7 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
             held_private, held_mapped = whole - mapped + fused, mapped - fused
     if not rank_local:
         host, private = host + quant_whole, private + quant_whole
-    ring = options.pinned_staging_mb * MIB if on_device else 0  # reader.DeviceStaging's page-locked buffers
+    ring = options.pinned_staging_mb * MIB if on_device else 0  # staging.DeviceStaging's page-locked buffers
     if ring and runs != "broadcast" and not sharded:  # built on the device, filled from the ring: no host copy
         host = private = lora
     host, private = host + ring, private + ring
@@ -288,10 +288,10 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
               host_memory: int | None = None, device_memory: int | None = None,
               local_world_size: int | None = None, lora_headers_only: bool = False, quantization=None) -> Plan:
     """Plan a load of ``checkpoint`` over ``world_size`` ranks (``hsdp``: an ``HSDPConfig`` when > 1) for every
-    strategy; ``lora_specs``: ``pipeline.LoraSpec`` (their files are read, checked against the skeletons);
+    strategy; ``lora_specs``: ``lora.specs.LoraSpec`` (their files are read, checked against the skeletons);
     ``local_world_size``: ranks per node (None: all on one); ``lora_headers_only``: the LoRA figures from the
     files' safetensors headers, not read and checked (the pre-flight: the ranks check them); ``quantization``: the
-    hook ``pipeline.load_components`` takes (applied to the DiTs' meta skeletons)."""
+    hook ``session.load_components`` takes (applied to the DiTs' meta skeletons)."""
 
     sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=options.allow_pickle)
     transformers = [s.name for s in sources if is_transformer(s)]

@@ -77,7 +77,7 @@ class LoadReport:
     strategy: str = "full"
     """The ``hsdp_weight_load`` strategy used: full, broadcast or rank_local."""
     read_threads: int = 1
-    """Threads that read the checkpoint bytes (``engine.reader``)."""
+    """Threads that read the checkpoint bytes (``engine.io``)."""
     seconds: dict[str, float] = field(default_factory=dict)
     components: list[ComponentReport] = field(default_factory=list)
     peak_rss_bytes: int = 0

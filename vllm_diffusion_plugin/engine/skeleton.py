@@ -175,7 +175,7 @@ def build_component(source: ComponentSource, *, dtype: torch.dtype, device: torc
     Load weights next (``weights.load_into_module(module, source=source)``). ``device="meta"`` returns the
     skeleton without allocating anything: parameters on ``meta`` already in their final dtypes (``dtype``, or
     float32 for the class's ``_keep_in_fp32_modules``), buffers with their real constructed values. The linears a
-    pre-quantized checkpoint stores in FP8 are ``fp8_layer.Fp8Linear`` (``fp8_layers``).
+    pre-quantized checkpoint stores in FP8 are ``quant.layer.Fp8Linear`` (``fp8_layers``).
     """
     cls = component_class(source)
     config = dict(source.config)

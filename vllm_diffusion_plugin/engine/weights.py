@@ -149,7 +149,7 @@ def load_into_module(module: nn.Module, weights: Iterable[tuple[str, torch.Tenso
     only the pages they touch and never reach the file. All checks run as without it.
 
     ``threads`` (with ``source``): read with that many threads ahead (``iterate_weights``); same result.
-    ``staging`` (``reader.DeviceStaging``): targets on its accelerator are filled through its page-locked ring
+    ``staging`` (``staging.DeviceStaging``): targets on its accelerator are filled through its page-locked ring
     (the read threads fill its buffers; copies overlap the reads); same result. A module with its own
     ``load_weights`` gets device tensors from it instead (``iterate_weights``).
     """

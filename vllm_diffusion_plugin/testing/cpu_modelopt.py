@@ -82,7 +82,7 @@ class CpuModelOptFp8LinearMethod(Fp8RowMethod, LinearMethodBase):
     def requantize_rows(self, rows: torch.Tensor, scale: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """FP8 ``rows`` of one stacked part at its per-tensor ``scale``, at the layer's largest part scale ``top``
         (as they are where ``scale`` is ``top``): the post-processing above, row by row (elementwise per row), which
-        ``hsdp_weight_load=rank_local`` applies to each rank's own rows (``doors/omni/rank_local_prequant.py``)."""
+        ``hsdp_weight_load=rank_local`` applies to each rank's own rows (``engine/quant/parts.py``)."""
         if bool(scale == top):
             return rows
         return (dequantize(rows, scale) / top).clamp(-LIMIT, LIMIT).to(FP8)
@@ -103,7 +103,7 @@ def register() -> str:
     """``modelopt`` -> :class:`CpuModelOptFp8Config` in vLLM's quantization registry (its out-of-tree hook); the
     method's parameters loaded by vLLM's ``weight_loader_v2`` (per-part scales of stacked layers), as vLLM's own
     ModelOpt method registers itself. Its layers are finished row by row under ``rank_local`` (``requantize_rows``):
-    named in ``engine.quant_shards.ROW_WISE_METHODS``."""
+    named in ``engine.quant.online.ROW_WISE_METHODS``."""
     from vllm.model_executor.layers import linear
     from vllm.model_executor.layers.quantization import register_quantization_config
 

@@ -4,7 +4,7 @@ vLLM's own online fp8 methods quantize with ``torch.ops._C.static_scaled_fp8_qua
 wheel on CPU) and its MXFP8 method has no CPU kernel. This method keeps their shape and uses vLLM's real
 layerwise machinery, so ``finalize_layerwise_processing`` and the post-load contract are exercised for real.
 It scales per tensor (vLLM's ``Fp8PerTensorOnlineLinearMethod``) or, with ``per_channel=True``, per output row
-(a ``[out, 1]`` scale), and it declares the row protocol of ``engine.quant_shards`` (``scale_granularity``,
+(a ``[out, 1]`` scale), and it declares the row protocol of ``engine.quant.online`` (``scale_granularity``,
 ``row_amax``, ``quantize_rows``, ``install_rows``), so ``hsdp_weight_load=rank_local`` can quantize each
 rank's rows with the scale the whole tensor would get. Its own ``process_weights_after_loading`` runs the same
 two functions on the whole tensor, so the two paths share every floating-point operation.
@@ -64,7 +64,7 @@ def attach_online_quant(module: nn.Module, *, per_channel: bool = False,
                         pattern: str = r"blocks\.\d+\.") -> list[str]:
     """Give every ``nn.Linear`` of ``module`` whose name matches ``pattern`` a ``TorchFp8OnlineMethod`` (on
     ``meta`` or real weights alike: the class changes, the parameters stay). Returns the layer names. The
-    ``quantization`` hook of ``pipeline.load_components``."""
+    ``quantization`` hook of ``session.load_components``."""
     names = []
     for name, sub in module.named_modules():
         if type(sub) is nn.Linear and re.search(pattern, name):

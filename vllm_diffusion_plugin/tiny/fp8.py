@@ -15,7 +15,7 @@ def fused_fp8_copy(root: Path, out: Path, loras: list[Path], *, component: str =
     """A copy of pipeline folder ``root`` at ``out`` whose ``component`` (a pre-quantized FP8 DiT) holds every FP8 layer
     the diffusers LoRA files ``loras`` target fused in one process on the whole tensor: every file's delta summed in
     fp32, added to the dequantized weight, requantized once with a scale from the fused tensor
-    (``quant_fuse.fuse_fp8_rows``) -- the reference an exact fusion at load must equal."""
+    (``quant.fp8.fuse_fp8_rows``) -- the reference an exact fusion at load must equal."""
     import shutil
 
     from safetensors import safe_open

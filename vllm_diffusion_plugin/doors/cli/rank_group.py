@@ -4,7 +4,7 @@ how long, against which bound, and what that means of the peer.
 
 A collective that fails says little by itself: gloo's ``Timed out waiting 5000ms for send operation to complete``
 or ``Connection closed by peer [127.0.0.1]:40261`` names neither the exchange, nor the option that bounds it, nor the
-rank that is gone. The launcher names a local rank that died of a signal (``doors/launcher.py``); a rank on another
+rank that is gone. The launcher names a local rank that died of a signal (``doors/cli/launcher.py``); a rank on another
 node, or one that stalls alive, is known here only by its silence, so this line says which of the two it looks like
 and names the peer where there is only one.
 """

@@ -19,12 +19,12 @@ How. Three wrappers on ``DiffusersPipelineLoader`` (all shapes checked before an
   ModelOpt FP8 checkpoint loads with ``full``, as vllm-omni broadcasts no quantized one); then one INFO line per DiT
   component on every rank, ``diffusion-hsdp load report: component=... rank=... bytes_read=... total_s=...
   peak_rss=...`` (the worker's peak RSS up to the end of its load). vllm-omni's load runs within
-  ``reader.bounded_reads(read_timeout_s)``: a read of ours that the store does not answer fails the load naming
+  ``threads.bounded_reads(read_timeout_s)``: a read of ours that the store does not answer fails the load naming
   the file and the offset; a load error is recorded for the server's line (``patch_worker_death.record_error``);
 - ``load_weights``: for our format, the DiT sources go through ``load_path`` (our manifests, our reader,
   LoRA fused per component with our fusion and device rule, vllm-omni's ``model.load_weights`` for its names
   and q/k/v stacking, our strict missing-weight check). LoRA files: ``lora_path`` entries
-  ``[COMPONENT=]PATH[@SCALE]`` (``pipeline.assign_loras``), plus vllm-omni's own distilled LoRAs
+  ``[COMPONENT=]PATH[@SCALE]`` (``lora.specs.assign_loras``), plus vllm-omni's own distilled LoRAs
   (``--lora-path`` with ``--lora-backend distill``, by position as vllm-omni assigns them), after which the
   model is marked ``lora_is_fused`` so vllm-omni does not fuse them again. A pipeline with checkpoint
   adapters (non-diffusers layouts) is refused naming the component, except vllm-omni's ModelOpt FP8 adapter of a

@@ -13,8 +13,8 @@ its mesh and mixed-precision policy), allocate only the local shards, read this 
 checkpoint tensors straight into them (``engine.strategies.rank_local.read_bound_rows``: ``pread``, ~1/S of
 the bytes per rank), fuse LoRA into the same rows (``fuse_bound_rows``: ``B[key rows] @ A``, our device rule),
 check nothing is left on ``meta``. Online-quantized linears are quantized from each rank's rows
-(``rank_local_quant``); a pre-quantized ModelOpt FP8 checkpoint's layers are read and finished from them
-(``rank_local_prequant``: the trace goes through vllm-omni's checkpoint adapter). A weight source that is not a
+(``strategies.rank_local``); a pre-quantized ModelOpt FP8 checkpoint's layers are read and finished from them
+(``quant.parts``: the trace goes through vllm-omni's checkpoint adapter). A weight source that is not a
 DiT vllm-omni shards (FLUX.1's T5 encoder, which its pipeline reads through the same loader) is read whole on every
 rank, as ``full`` reads it (:func:`split_sources`). vllm-omni's post-load processing (ours, HSDP-aware: ``patch_postprocess``)
 and its placement of VAEs / encoders follow, as in its own HSDP path.

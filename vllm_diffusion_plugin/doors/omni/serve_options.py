@@ -177,7 +177,7 @@ def check_supported(options: Any, od_config: Any) -> None:
 
 
 CARRIED_FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
-"""ModelOpt ``quant_algo`` values of the pre-quantized checkpoints this door reads (``load_path.StreamFuser``)."""
+"""ModelOpt ``quant_algo`` values of the pre-quantized checkpoints this door reads (``fused_stream.StreamFuser``)."""
 
 
 def carried_fp8_checkpoint(quant_config: Any) -> bool:
@@ -192,8 +192,8 @@ def checkpoint_strategy(quant_config: Any, strategy: str = "full") -> str:
     """The weight-load strategy a checkpoint quantized as ``quant_config`` (vllm-omni's) loads with, or raise naming
     vllm-omni's quantization when the checkpoint itself is quantized (GGUF, torchao, serialized FP8 / NVFP4 / MXFP /
     INT8, ModelOpt mixed) and not carried. ModelOpt FP8 is (:func:`carried_fp8_checkpoint`): with ``full``; with
-    ``rank_local`` where its method finishes a layer row by row (named in ``quant_shards.ROW_WISE_METHODS``, see
-    ``rank_local_prequant``); ``broadcast`` loads it with ``full`` (vllm-omni broadcasts only unquantized weights,
+    ``rank_local`` where its method finishes a layer row by row (named in ``quant.online.ROW_WISE_METHODS``, see
+    ``quant.parts``); ``broadcast`` loads it with ``full`` (vllm-omni broadcasts only unquantized weights,
     so every rank reads it; said once)."""
     if quant_config is None:
         return strategy

@@ -53,7 +53,7 @@ class TensorInfo:
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Key -> TensorInfo from a safetensors header, in data order; only the header bytes are read, waited for at
-    most the read timeout (``reader.bounded``: a store that stopped answering is named, not waited on forever).
+    most the read timeout (``threads.bounded``: a store that stopped answering is named, not waited on forever).
 
     Raises CheckpointError naming ``path`` for a truncated, corrupt or unsupported file.
     """

@@ -8,7 +8,7 @@ returns the error too. :func:`pread_into` is the one ``pread`` loop every reader
 copies, this fallback).
 
 What stays a SIGBUS: a page read in here and evicted before the consumer's copy touches it, and a file truncated
-under its mapping (``engine.integrity`` names the file when the rank survives to check it).
+under its mapping (``engine.io.integrity`` names the file when the rank survives to check it).
 """
 
 from __future__ import annotations

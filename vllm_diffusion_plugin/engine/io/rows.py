@@ -96,8 +96,8 @@ def read_bound_rows(source: ComponentSource, bindings: Sequence[RowBinding],
                     staging: Any = None):
     """Read this rank's rows of every bound checkpoint tensor into its targets; returns (keys read, stats).
     ``progress``: a bar of this rank's bytes on rank 0 (``engine.progress``). ``threads``: row ranges read by
-    that many threads at once (``reader.read_ahead``; every range lands in its own rows, so the result is the same).
-    ``staging`` (``reader.DeviceStaging``): rows on its accelerator are ``pread`` into its page-locked ring and copied
+    that many threads at once (``threads.read_ahead``; every range lands in its own rows, so the result is the same).
+    ``staging`` (``staging.DeviceStaging``): rows on its accelerator are ``pread`` into its page-locked ring and copied
     from there without blocking (same result).
 
     A row range of a safetensors tensor is one contiguous byte range (what ``get_slice(key)[a:b]`` reads);

@@ -2,7 +2,7 @@
 
 :func:`iterate_weights` yields ``(name, tensor)`` from a resolved ``checkpoint.ComponentSource``: files in source
 order, keys in on-disk order. A safetensors tensor views a private (copy-on-write) mapping of its file
-(:func:`mapped_file`), its pages read in first by ``pagein.fault_in`` (a failing store is an error naming the file
+(:func:`mapped_file`), its pages read in first by ``io.pagein.fault_in`` (a failing store is an error naming the file
 and the byte, never a SIGBUS), by the loading thread or ``threads`` read threads ahead (``threads.read_ahead``);
 onto an accelerator each tensor's bytes are ``pread`` into the staging ring instead (:class:`FileReads`,
 ``staging.DeviceStaging``). Pickle files are read with ``torch.load(weights_only=True)``.
@@ -53,7 +53,7 @@ def _mapping(file: Path) -> tuple[int, torch.UntypedStorage]:
 
 
 def open_file(file: Path):
-    """``open(file, "rb")``, waited for at most the read timeout (``reader.bounded``)."""
+    """``open(file, "rb")``, waited for at most the read timeout (``threads.bounded``)."""
     return bounded(f"{file} (opening it)", open, file, "rb")
 
 
@@ -197,7 +197,7 @@ def iterate_weights(source: ComponentSource, *, stats: LoadStats | None = None, 
     never shows one. A tensor whose file changed since it was resolved raises ``CheckpointError``.
     ``map_private``: safetensors tensors view a copy-on-write mapping of their file (``mapped_file``).
     Safetensors tensors (not staged) view a mapping of their file and are read in before they are yielded
-    (``pagein.fault_in``: a failing store is an error naming the file and the byte, not a SIGBUS): by the loading
+    (``io.pagein.fault_in``: a failing store is an error naming the file and the byte, not a SIGBUS): by the loading
     thread, or with ``threads`` > 1 by that many threads ahead of the consumer (``read_ahead``), still
     yielded in the same order; stats and the bar count a tensor when it is yielded.
     ``staging`` (safetensors): every tensor is yielded on its accelerator, copied through its page-locked ring by

@@ -204,7 +204,7 @@ def _targets(module: nn.Module, deltas: Mapping[str, LoraDelta]) -> list[tuple]:
 
 def _factors_moved(targets: list[tuple], max_bytes: int) -> Iterator[tuple]:
     """``targets`` in order, the host-resident ``A`` / ``B`` of weights on an accelerator moved there first, in
-    batches of at most ``max_bytes`` through pinned staging (``reader.DeviceStaging``): one pageable copy per factor
+    batches of at most ``max_bytes`` through pinned staging (``staging.DeviceStaging``): one pageable copy per factor
     would block the host until the device reached it, serializing 800 copies with 400 fusions on a Wan2.2 expert."""
     batch: list[tuple] = []
     stagings: dict[torch.device, DeviceStaging | None] = {}

@@ -11,7 +11,7 @@ Carried, each a component folder of safetensors whose linear weights are ``float
 
 Which layers are FP8 is read from the headers (a ``.weight`` stored as FP8 beside its ``.weight_scale``), so
 ModelOpt's excluded layers stay in the load dtype. :func:`fp8_layers` says it from the resolved source alone (no
-data byte); ``skeleton.build_component`` gives those layers ``fp8_layer.Fp8Linear``'s parameters, so every strategy
+data byte); ``skeleton.build_component`` gives those layers ``quant.layer.Fp8Linear``'s parameters, so every strategy
 reads the FP8 bytes and scales as they are, into the layers online quantization ends with; nothing is
 dequantized and kept. Refused by name in one line, before any weight byte is read (:func:`check_sources`):
 NVFP4, ModelOpt mixed precision, block-wise FP8, GGUF, torchao, bitsandbytes or any other method,

@@ -30,7 +30,7 @@ logger = init_logger(__name__)
 
 def fuse_transient_bytes(numel: int) -> int:
     """What :func:`fuse_fp8_layers` holds at most while fusing one layer's ``numel`` local elements: the fp32 delta
-    and the requantized FP8 copy whole (5 bytes each), one row chunk (``quant_fuse.CHUNK_ELEMENTS``) of fp32
+    and the requantized FP8 copy whole (5 bytes each), one row chunk (``quant.fp8.CHUNK_ELEMENTS``) of fp32
     dequantized, fused, divided and clamped rows (16 bytes each)."""
     return 5 * numel + 16 * min(numel, CHUNK_ELEMENTS)
 

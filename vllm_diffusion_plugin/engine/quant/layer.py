@@ -7,8 +7,8 @@ One representation, whatever made the FP8 values: a linear whose ``weight`` is `
 has one, its static ``input_scale`` (0-dim, kept for vLLM's kernels; the forward here dequantizes the weight).
 
 - Online quantization (``testing.online_quant``) reaches it from bf16 weights: ``Fp8RowMethod``'s
-  ``row_amax`` / ``quantize_rows`` are the row protocol of ``engine.quant_shards``.
-- A pre-quantized checkpoint (``engine.prequant``) is read into it as it is: :func:`to_fp8_layers` gives the
+  ``row_amax`` / ``quantize_rows`` are the row protocol of ``engine.quant.online``.
+- A pre-quantized checkpoint (``engine.quant.checkpoints``) is read into it as it is: :func:`to_fp8_layers` gives the
   skeleton these parameters before a byte is read, and the checkpoint's FP8 bytes and scales land in them.
 
 ``Fp8Linear.forward`` is a reference (``x @ (q * scale)``), for the CLI's loads and the CPU proofs; vLLM's FP8
@@ -26,7 +26,7 @@ from vllm_diffusion_plugin.engine.quant.fp8 import FP8, quantize
 
 
 class Fp8RowMethod:
-    """FP8 with a per-tensor or per-output-row scale: the row protocol of ``engine.quant_shards`` plus the forward.
+    """FP8 with a per-tensor or per-output-row scale: the row protocol of ``engine.quant.online`` plus the forward.
 
     ``serialized``: the FP8 values come from the checkpoint (nothing to quantize after loading; the checkpoint
     must hold ``weight`` and ``weight_scale``)."""

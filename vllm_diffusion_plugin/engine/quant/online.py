@@ -51,14 +51,14 @@ GRANULARITIES = ("tensor", "channel")
 
 ROW_WISE_METHODS: set[str] = set()
 """Quantization method names (as given to vllm-omni's ``--quantization``, or a pre-quantized checkpoint's) whose
-methods declare the row protocol (a pre-quantized FP8 method: ``doors/omni/rank_local_prequant``'s); a method
+methods declare the row protocol (a pre-quantized FP8 method: ``engine/quant/parts``'s); a method
 registers its name here where it registers itself (``testing.online_quant.register_omni_override``,
 ``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with any other name at startup."""
 
 
 class LayerNames:
     """The parameter names and the scale granularity of a quantized linear with a ``module`` name and a ``method``
-    (``QuantLayer`` here, ``doors/omni/rank_local_prequant.Fp8Layer``)."""
+    (``QuantLayer`` here, ``engine/quant/parts.Fp8Layer``)."""
 
     module: str
     method: Any

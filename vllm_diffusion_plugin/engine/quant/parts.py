@@ -192,7 +192,7 @@ def finish(dit: Any, module: nn.Module, layers: Sequence[Fp8Layer], bindings: Se
 def _fuse_parts(layer: Fp8Layer, bindings: Sequence[RowBinding], targets: Mapping[str, torch.Tensor],
                 per_module: dict[str, list[dict[str, Any]]], scales: dict[str, torch.Tensor], *, fuser: Any):
     """Fuse every file's delta of each targeted part into this rank's rows of it (see the module doc); ``fuser``:
-    the DiT's ``load_path.StreamFuser`` (its module names and fusion options). Returns the ``FuseStats`` or None."""
+    the DiT's ``fused_stream.StreamFuser`` (its module names and fusion options). Returns the ``FuseStats`` or None."""
 
     weight, total, summed = targets[layer.weight], None, None
     group = shard_group(weight) if layer.per_tensor else None

@@ -1,8 +1,8 @@
 """The plan's accounting of online-quantized DiT linears (``plan.plan_load(..., quantization=...)``).
 
 A quantized linear is read in the load dtype and held quantized (fp8 bytes plus its scales). Under ``rank_local``
-``quant_shards.quantize_by_block`` reads one FSDP block's local rows of them into load-dtype transients, fuses the
-LoRA there and quantizes row chunk by row chunk (``quant_fuse.row_chunks``); under ``full`` / ``broadcast`` the
+``quant.online.quantize_by_block`` reads one FSDP block's local rows of them into load-dtype transients, fuses the
+LoRA there and quantizes row chunk by row chunk (``quant.fp8.row_chunks``); under ``full`` / ``broadcast`` the
 method quantizes each whole tensor beside the load-dtype DiT. Pure functions over ``plan._Shape`` figures; reads
 nothing, imports no door.
 """
@@ -23,7 +23,7 @@ copy (4 + 4 bytes; the fp8 result, 1 byte, is made after the quotient goes)."""
 
 
 def quantized_layers(layers: Sequence, block_names: Sequence[str]) -> dict[str, tuple[int, int, int, bool, int]]:
-    """Online-quantized weight (``quant_shards.QuantLayer``) -> (quantized bytes, its scale's bytes, the index of its
+    """Online-quantized weight (``quant.online.QuantLayer``) -> (quantized bytes, its scale's bytes, the index of its
     FSDP block in ``block_names`` (``len(block_names)``: outside them), per-tensor scale, elements)."""
     out = {}
     for layer in layers:
@@ -36,7 +36,7 @@ def quantized_layers(layers: Sequence, block_names: Sequence[str]) -> dict[str, 
 
 def quantize_chunk_bytes(elements: int) -> int:
     """The temporaries of quantizing ``elements`` local elements of one weight, row chunk by row chunk (at most
-    ``quant_fuse.CHUNK_ELEMENTS`` at once, as ``quant_shards.quantize_by_block`` runs)."""
+    ``quant.fp8.CHUNK_ELEMENTS`` at once, as ``quant.online.quantize_by_block`` runs)."""
     return QUANTIZE_BYTES_PER_ELEMENT * min(elements, CHUNK_ELEMENTS)
 
 

@@ -62,10 +62,10 @@ class LoadContext:
     progress: bool | None = None
     """Progress bar: None = when interactive, False = never (ranks other than 0)."""
     staging: Any = None
-    """``reader.DeviceStaging`` when weights land on an accelerator through pinned memory, else None."""
+    """``staging.DeviceStaging`` when weights land on an accelerator through pinned memory, else None."""
     quantization: Any = None
     """``quantization(module)``: gives a freshly built DiT skeleton (on ``meta`` or not) its online quant methods,
-    as vLLM's ``quant_config`` does for the models it builds; None: no quantization (``engine.quant_shards``)."""
+    as vLLM's ``quant_config`` does for the models it builds; None: no quantization (``engine.quant.online``)."""
 
 
 class Strategy(Protocol):

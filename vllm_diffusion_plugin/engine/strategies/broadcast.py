@@ -166,7 +166,7 @@ class BroadcastChannel:
 def pack_bucket(data: torch.Tensor, bucket: Bucket, targets: dict[str, torch.Tensor], staging=None, *,
                 threads: int = 1) -> None:
     """Copy ``bucket``'s segments of the host module's tensors into the bucket buffer ``data``; a buffer on an
-    accelerator is filled through ``staging`` (``reader.DeviceStaging``) when there is one, not by pageable copies."""
+    accelerator is filled through ``staging`` (``staging.DeviceStaging``) when there is one, not by pageable copies."""
     pairs = [(data[s.offset:s.offset + s.length], _flat(targets[s.key], s.key)[s.start:s.start + s.length])
              for s in bucket.segments]
     with torch.no_grad():
@@ -187,7 +187,7 @@ def _flat(tensor: torch.Tensor, key: str) -> torch.Tensor:
 def _lora_parts(module: nn.Module, files: Sequence[dict],
                 keys: Sequence[str] = ()) -> dict[str, list[tuple[int, str, str]]]:
     """Checkpoint key -> the (file index, target, part) LoRA updates that wait for it (part: weight/bias); an FP8
-    layer's weight waits for the later of its weight and scale (``prequant.read_together``)."""
+    layer's weight waits for the later of its weight and scale (``quant.checkpoints.read_together``)."""
 
     modules = dict(module.named_modules())
     together = read_together(keys, serialized_layers(module))
