@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin.testing import fake_accelerator as fake_module
+from vllm_diffusion_plugin.testing.fake_mesh import fake_mesh
 from vllm_diffusion_plugin.testing import pytest_plugin
 
 
@@ -304,7 +305,7 @@ def test_fully_shard_structure_and_the_data_move_seed_bug(fake_accelerator):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     reference = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
-    with fake_module.fake_mesh((1, 2)) as mesh:
+    with fake_mesh((1, 2)) as mesh:
         model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)).to(fake_accelerator.device)
         model.load_state_dict(reference.state_dict())
         fully_shard(model, mesh=mesh)

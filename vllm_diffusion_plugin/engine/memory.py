@@ -1,11 +1,10 @@
 """What this host, this process and an accelerator have, in bytes: the probe the pre-flight, the pressure watch,
-the load report and the server samplers share, and how sizes are written.
+the load report and the server samplers share (an accelerator's free memory: ``platform.free_memory``), and how sizes are written.
 
 - host: :func:`host_available`, the tighter of ``/proc/meminfo`` MemAvailable and the headroom of every memory
   cgroup level of this process (v1 or v2), the usage less the group's inactive file pages (page cache the kernel
   reclaims before it kills, as ``MemAvailable`` counts it);
 - a process: :func:`status_memory` (``/proc/PID/status``), :func:`private_rss`, :func:`peak_rss_bytes`;
-- an accelerator: :func:`free_memory` (its backend's ``mem_get_info``; nothing on the CPU).
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from vllm_diffusion_plugin._logging import init_logger
 
@@ -143,20 +140,6 @@ def peak_rss_bytes() -> int:
     """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def free_memory(device: torch.device | str) -> int | None:
-    """Free bytes on ``device`` as its backend says (``torch.cuda.mem_get_info``, ``torch.npu.mem_get_info``, ...);
-    None on the CPU and for a backend without the call (the fake accelerator)."""
-    device = torch.device(device)
-    module = getattr(torch, device.type, None)
-    if device.type == "cpu" or module is None or not hasattr(module, "mem_get_info"):
-        return None
-    try:
-        return int(module.mem_get_info(device)[0])
-    except Exception as exc:  # a driver error: no figure, no refusal
-        logger.info("Free memory of %s unknown (%s); the pre-flight skips it.", device, exc)
-        return None
 
 
 def human_count(n: float) -> str:

@@ -193,3 +193,17 @@ def resolve_target_device(requested: str) -> torch.device:
     if usable_device(device) is None:
         raise RuntimeError(f"--device {requested}: {device} is not usable on this host (probe allocation failed)")
     return device
+
+
+def free_memory(device: torch.device | str) -> int | None:
+    """Free bytes on ``device`` as its backend says (``torch.cuda.mem_get_info``, ``torch.npu.mem_get_info``, ...);
+    None on the CPU and for a backend without the call (the fake accelerator)."""
+    device = torch.device(device)
+    module = _device_module(device)
+    if device.type == "cpu" or module is None or not hasattr(module, "mem_get_info"):
+        return None
+    try:
+        return int(module.mem_get_info(device)[0])
+    except Exception as exc:  # a driver error: no figure, no refusal
+        logger.info("Free memory of %s unknown (%s); the pre-flight skips it.", device, exc)
+        return None

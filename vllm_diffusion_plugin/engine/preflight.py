@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import memory
+from vllm_diffusion_plugin.engine import memory, platform
 from vllm_diffusion_plugin.engine.config import PREFLIGHT_MODES as MODES  # noqa: F401  (refuse, warn, off)
 from vllm_diffusion_plugin.engine.errors import PreflightError
 from vllm_diffusion_plugin.engine.memory import HostMemory, size_text
@@ -101,7 +101,7 @@ def check(plan, strategy: str, *, mode: str, how: str, host: bool = False, devic
         return
     started = time.perf_counter()
     available = memory.host_available() if host else None
-    free = memory.free_memory(device) if device is not None and device.type == plan.device_type else None
+    free = platform.free_memory(device) if device is not None and device.type == plan.device_type else None
     if before_verdict is not None:
         before_verdict()
     problems = [check_host(plan, strategy, host=available, starting=starting, first_run=first_run,

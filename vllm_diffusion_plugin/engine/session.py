@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import preflight, pressure, weights
+from vllm_diffusion_plugin.engine import platform, preflight, pressure, weights
 from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
 from vllm_diffusion_plugin.engine.errors import (
     DistributedLoadError,
@@ -46,7 +46,6 @@ from vllm_diffusion_plugin.engine.lora.fuse import fuse_prepared
 from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora, prepare_lora_files
 from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
 from vllm_diffusion_plugin.engine.memory import (
-    free_memory,
     peak_rss_bytes,
     private_rss,
     size_text,
@@ -66,7 +65,7 @@ from vllm_diffusion_plugin.engine.quant.checkpoints import (
     check_sources,
     quantization_config,
 )
-from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
+from vllm_diffusion_plugin.engine.quant.online import row_wise_methods
 from vllm_diffusion_plugin.engine.quant.parts import DequantizedBinding, bind, scale_key
 from vllm_diffusion_plugin.engine.quant.plan import online_fp8_hook
 from vllm_diffusion_plugin.engine.report import (
@@ -96,12 +95,12 @@ __all__ = [  # the face the doors use: the session, its options and results, and
     "PickleRefusedError", "StrategyError", "process_weights_after_loading", "quantization_config",
     "LoadSession", "LoadedComponents", "LoraSpec", "RowBinding", "RowLoad", "StreamFuser", "WeightLoadError", "World",
     "accelerator_of", "is_transformer", "load_components", "local_device", "resolve_checkpoint",
-    "resolve_target_device", "save_components", "ROW_WISE_METHODS",
+    "resolve_target_device", "save_components", "row_wise_methods",
     # rank_local behind a door that builds its model (vllm-omni): its quantized layers, their layout, the rows traced
     "DequantizedBinding", "bind", "materialize_local_shards", "row_layers", "scale_key", "status_memory",
     "to_row_layout",
     # the pre-flight where no session loads (a launcher, an API server): the plan, the memory it is held against
-    "accelerator_type", "check_plan", "free_memory", "online_fp8_hook", "plan_load", "plan_module_load",
+    "accelerator_type", "check_plan", "online_fp8_hook", "plan_load", "plan_module_load",
     "private_rss", "size_text", "check_strategy",
     # the reports of a load's ranks together
     "format_table", "merge_ranks"]
@@ -112,9 +111,10 @@ class LoadSession:
     ``progress``: bars on rank 0 when stderr is a terminal (True always, None over 1 GiB, False never);
     ``quantization``: gives each DiT skeleton its online quant methods (``LoadContext.quantization``)."""
 
-    def __init__(self, options: LoadOptions, *, device: torch.device, dtype: torch.dtype,
+    def __init__(self, options: LoadOptions, *, device: torch.device | None, dtype: torch.dtype,
                  hsdp: HSDPConfig | None = None, lora_specs: Sequence[LoraSpec] = (), progress: bool | None = None,
                  quantization=None, strategy: str = "full", world: World | None = None) -> None:
+        device = platform.local_device() if device is None else device  # None: this process's accelerator
         self.options, self.device, self.dtype = options, device, dtype
         self.world = world or World.current()
         self.hsdp = hsdp.resolved(self.world.world_size) if hsdp is not None else None
@@ -165,6 +165,10 @@ class LoadSession:
         if dits is None:
             dits = [s.name for s in self.sources.values() if is_transformer(s)]
         self.loras = assign_loras(self.lora_specs, dits) if self.lora_specs else {}
+
+    def free_memory(self) -> int | None:
+        """Free bytes of this session's accelerator as its backend says (None on the CPU, or where it cannot say)."""
+        return platform.free_memory(self.device)
 
     def watch(self, what: str, *, whole_process: bool = False):
         """The memory-pressure watch (``pressure``) for ``what``: for the block (a context manager), or with

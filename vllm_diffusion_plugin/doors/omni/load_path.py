@@ -44,7 +44,6 @@ from vllm_diffusion_plugin.engine.session import (
     WeightLoadError,
     World,
     accelerator_of,
-    local_device,
     resolve_checkpoint,
 )
 
@@ -97,7 +96,7 @@ def prepare(loader: Any, load_format: str | None) -> LoadSession:
         logger.info("hsdp_weight_load=%s with a single rank: loading with 'full'.", strategy)
         strategy = "full"
     strategy = checkpoint_strategy(loader.quant_config, strategy)
-    session = LoadSession(options, device=local_device(), dtype=od_config.dtype, world=world, strategy=strategy)
+    session = LoadSession(options, device=None, dtype=od_config.dtype, world=world, strategy=strategy)
     check_device(session, od_config)  # this rank's accelerator, before vllm-omni builds anything
     session.watch(f"diffusion worker {world.rank}'s load and first run", whole_process=True)
     ours = {"enable_broadcast_weight_load": strategy == "broadcast"}

@@ -33,7 +33,6 @@ from vllm_diffusion_plugin.engine.session import (
     LoraSpec,
     accelerator_type,
     check_plan,
-    free_memory,
     online_fp8_hook,
     plan_load,
     private_rss,
@@ -118,7 +117,7 @@ def check_device(session: Any, od_config: Any) -> None:
     model = getattr(od_config, "model", None)
     options = session.options
     if options.preflight == "off" or not model or not Path(str(model)).is_dir() or _device_type() == "cpu" \
-            or free_memory(session.device) is None:
+            or session.free_memory() is None:
         return
     planned = _plan_or_none(options, od_config, model=str(model), device_type=session.device.type)
     if planned is not None:

@@ -23,12 +23,12 @@ import torch
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.session import (
     LOAD_FORMAT,
-    ROW_WISE_METHODS,
     LoadOptions,
     LoadSession,
     LoraSpec,
     is_transformer,
     resolve_checkpoint,
+    row_wise_methods,
 )
 
 logger = init_logger(__name__)
@@ -147,7 +147,7 @@ def refusals(options: Any, od_config: Any) -> list[str]:
                         f"for all, or each rank its own rows: pre_sharded alone is our 'rank_local', which fuses "
                         f"LoRAs and loads stacked q/k/v; drop one of the two)")
     quantization = field_of(od_config, "quantization_config", None) or field_of(od_config, "quantization", None)
-    if strategy == "rank_local" and quantization and quant_name(quantization) not in _row_wise_methods():
+    if strategy == "rank_local" and quantization and quant_name(quantization) not in row_wise_methods():
         problems.append(f"vllm-omni's quantization {quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
                         f"(each rank quantizes its own rows, which needs a method that declares how -- "
                         f"engine.quant.online's row protocol; {quant_name(quantization)!r} quantizes whole "
@@ -199,7 +199,7 @@ def checkpoint_strategy(quant_config: Any, strategy: str = "full") -> str:
         return strategy
     name = quant_config.get_name() if hasattr(quant_config, "get_name") else type(quant_config).__name__
     if carried_fp8_checkpoint(quant_config):
-        if strategy == "rank_local" and name not in _row_wise_methods():
+        if strategy == "rank_local" and name not in row_wise_methods():
             raise ValueError(f"a pre-quantized ModelOpt FP8 checkpoint ({quant_config.quant_method}) with "
                              f"hsdp_weight_load='rank_local': each rank finishes its own FP8 rows as the method "
                              f"finishes the whole layer, and {type(quant_config).__name__}'s method does not declare "
@@ -223,10 +223,6 @@ def checkpoint_strategy(quant_config: Any, strategy: str = "full") -> str:
                          f"GGUF / torchao / pre-quantized checkpoint ({', '.join(flags) or 'by its method'}) is not "
                          f"carried: serve it without --load-format diffusion-hsdp")
     return strategy
-
-
-def _row_wise_methods() -> set[str]:
-    return ROW_WISE_METHODS
 
 
 def quant_name(quantization: Any) -> str:

@@ -56,6 +56,11 @@ registers its name here where it registers itself (``testing.online_quant.regist
 ``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with any other name at startup."""
 
 
+def row_wise_methods() -> set[str]:
+    """The quantization method names that declare the row protocol (:data:`ROW_WISE_METHODS`, as registered now)."""
+    return ROW_WISE_METHODS
+
+
 class LayerNames:
     """The parameter names and the scale granularity of a quantized linear with a ``module`` name and a ``method``
     (``QuantLayer`` here, ``engine/quant/parts.Fp8Layer``)."""
