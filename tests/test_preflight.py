@@ -148,7 +148,7 @@ def test_cli_warn_loads_anyway_and_refuse_is_one_line(tiny_wan_dir, capsys, monk
     """One process (the load runs in the CLI's own): a node with 1 KB left refuses ``full`` (an fp32 checkpoint cast
     to bf16: copies, not views of its files) saying that nothing fits; ``--preflight warn`` (or
     VLLM_DIFFUSION_PREFLIGHT=warn) logs the same words and loads; ``off`` plans nothing."""
-    from vllm_diffusion_plugin.engine import preflight
+    from vllm_diffusion_plugin.engine import memory as preflight
     from vllm_diffusion_plugin.engine.memory import HostMemory
 
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")

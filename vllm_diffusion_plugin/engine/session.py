@@ -77,8 +77,12 @@ from vllm_diffusion_plugin.engine.report import (
 )
 from vllm_diffusion_plugin.engine.save import LoadedComponents, save_components
 from vllm_diffusion_plugin.engine.skeleton import build_component, component_class
-from vllm_diffusion_plugin.engine.strategies import LOADERS, LoadContext, check_strategy
-from vllm_diffusion_plugin.engine.strategies.broadcast import open_channel
+from vllm_diffusion_plugin.engine.strategies import (
+    LOADERS,
+    LoadContext,
+    broadcast,
+    check_strategy,
+)
 from vllm_diffusion_plugin.engine.strategies.rank_local import (
     RowLoad,
     load_bound_rows,
@@ -324,7 +328,7 @@ class LoadSession:
                               hsdp=self.hsdp, mesh=mesh, progress=self.progress if self.world.rank == 0 else False,
                               staging=self.staging(self.device), quantization=self.quantization)
         if self.report.strategy == "broadcast":
-            context = dataclasses.replace(context, channel=open_channel(self.options, self.device))
+            context = dataclasses.replace(context, channel=broadcast.open_channel(self.options, self.device))
         return context
 
     def load(self, source: ComponentSource, *, context: LoadContext, shard_reports: dict[str, object]) -> nn.Module:
