@@ -184,7 +184,8 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
 def _check_lora_fusable(model: nn.Module,
                         checkpoint_quantization: tuple[dict | None, str] = (None, "")) -> None:
     """LoRA is fused into full, unquantized weights on one rank; refuse what would fuse wrongly.
-    ``checkpoint_quantization``: ``quant.checkpoints.quantization_config`` of the checkpoint (a pre-quantized one is named)."""
+    ``checkpoint_quantization``: ``quant.checkpoints.quantization_config`` of the checkpoint (a pre-quantized one is
+    named)."""
     from vllm.distributed import get_tensor_model_parallel_world_size
 
     base = compat.quantize_method_base()

@@ -33,7 +33,8 @@ class StreamFuser:
 
     ``deltas`` holds one mapping per LoRA file, applied in order (several files for one DiT stack, as in
     ``lora.fuse_lora_files``). A targeted tensor is copied before it is changed (never the reader's buffer). An FP8
-    weight of a pre-quantized checkpoint (``fp8_layers``) is fused exactly and hands on its new scale (:meth:`items`)."""
+    weight of a pre-quantized checkpoint (``fp8_layers``) is fused exactly and hands on its new scale
+    (:meth:`items`)."""
 
     deltas: list[dict[str, Any]]
     modules: frozenset[str]

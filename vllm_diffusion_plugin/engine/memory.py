@@ -1,5 +1,6 @@
 """What this host, this process and an accelerator have, in bytes: the probe the pre-flight, the pressure watch,
-the load report and the server samplers share (an accelerator's free memory: ``platform.free_memory``), and how sizes are written.
+the load report and the server samplers share, and how sizes are written (an accelerator's free memory:
+``platform.free_memory``).
 
 - host: :func:`host_available`, the tighter of ``/proc/meminfo`` MemAvailable and the headroom of every memory
   cgroup level of this process (v1 or v2), the usage less the group's inactive file pages (page cache the kernel

@@ -43,20 +43,12 @@ from pathlib import Path
 import torch
 
 from vllm_diffusion_plugin.engine.hsdp import select_blocks, unshardable
-from vllm_diffusion_plugin.engine.io.checkpoint import (
-    is_transformer,
-    resolve_checkpoint,
-)
+from vllm_diffusion_plugin.engine.io.checkpoint import is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.io.headers import read_safetensors_header
 from vllm_diffusion_plugin.engine.io.rows import shard_rows
 from vllm_diffusion_plugin.engine.lora import prepare_lora_files
 from vllm_diffusion_plugin.engine.lora.specs import assign_loras
-from vllm_diffusion_plugin.engine.plan_result import (
-    STRATEGY_ORDER,
-    ComponentPlan,
-    Plan,
-    RankPlan,
-)
+from vllm_diffusion_plugin.engine.plan_result import STRATEGY_ORDER, ComponentPlan, Plan, RankPlan
 from vllm_diffusion_plugin.engine.quant.fp8 import FP8
 from vllm_diffusion_plugin.engine.quant.fuse import fuse_transient_bytes
 from vllm_diffusion_plugin.engine.quant.online import find_layers

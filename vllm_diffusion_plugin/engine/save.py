@@ -22,10 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine.io.checkpoint import (
-    SAFETENSORS_INDEX_NAMES,
-    ComponentSource,
-)
+from vllm_diffusion_plugin.engine.io.checkpoint import SAFETENSORS_INDEX_NAMES, ComponentSource
 from vllm_diffusion_plugin.engine.platform import World
 from vllm_diffusion_plugin.engine.progress import progress_bar
 from vllm_diffusion_plugin.engine.quant.checkpoints import saved_config

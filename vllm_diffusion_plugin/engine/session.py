@@ -24,65 +24,37 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine import platform, preflight, pressure, weights
 from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
-from vllm_diffusion_plugin.engine.errors import (
-    DistributedLoadError,
-    PickleRefusedError,
-    StrategyError,
-    WeightLoadError,
-)
+from vllm_diffusion_plugin.engine.errors import DistributedLoadError, PickleRefusedError, StrategyError, WeightLoadError
 from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, lora_fuser
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
 from vllm_diffusion_plugin.engine.io import integrity
-from vllm_diffusion_plugin.engine.io.checkpoint import (
-    ComponentSource,
-    is_transformer,
-    resolve_checkpoint,
-)
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
 from vllm_diffusion_plugin.engine.io.rows import RowBinding
 from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, place_module
 from vllm_diffusion_plugin.engine.io.stream import LoadStats, iterate_weights
 from vllm_diffusion_plugin.engine.io.threads import bounded_reads
-from vllm_diffusion_plugin.engine.lora.fuse import fuse_prepared
+from vllm_diffusion_plugin.engine.lora.fuse import fuse_prepared, resolve_compute_device
 from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora, prepare_lora_files
 from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
-from vllm_diffusion_plugin.engine.memory import (
-    peak_rss_bytes,
-    private_rss,
-    size_text,
-    status_memory,
-)
+from vllm_diffusion_plugin.engine.memory import peak_rss_bytes, private_rss, size_text, status_memory
 from vllm_diffusion_plugin.engine.plan import plan_load, plan_module_load
 from vllm_diffusion_plugin.engine.platform import (
     World,
     accelerator_of,
     accelerator_type,
-    local_device,
+    dist_backend,
     resolve_target_device,
 )
 from vllm_diffusion_plugin.engine.postprocess import process_weights_after_loading
 from vllm_diffusion_plugin.engine.preflight import check as check_plan
-from vllm_diffusion_plugin.engine.quant.checkpoints import (
-    check_sources,
-    quantization_config,
-)
+from vllm_diffusion_plugin.engine.quant.checkpoints import check_sources, quantization_config
 from vllm_diffusion_plugin.engine.quant.online import row_wise_methods
 from vllm_diffusion_plugin.engine.quant.parts import DequantizedBinding, bind, scale_key
 from vllm_diffusion_plugin.engine.quant.plan import online_fp8_hook
-from vllm_diffusion_plugin.engine.report import (
-    ComponentReport,
-    LoadReport,
-    format_table,
-    merge_ranks,
-    report_line,
-)
+from vllm_diffusion_plugin.engine.report import ComponentReport, LoadReport, format_table, merge_ranks, report_line
 from vllm_diffusion_plugin.engine.save import LoadedComponents, save_components
 from vllm_diffusion_plugin.engine.skeleton import build_component, component_class
-from vllm_diffusion_plugin.engine.strategies import (
-    LOADERS,
-    LoadContext,
-    broadcast,
-    check_strategy,
-)
+from vllm_diffusion_plugin.engine.strategies import LOADERS, LoadContext, broadcast, check_strategy
 from vllm_diffusion_plugin.engine.strategies.rank_local import (
     RowLoad,
     load_bound_rows,
@@ -98,8 +70,8 @@ __all__ = [  # the face the doors use: the session, its options and results, and
     "LOAD_FORMAT", "ComponentReport", "ComponentSource", "DistributedLoadError", "HSDPConfig", "LoadOptions",
     "PickleRefusedError", "StrategyError", "process_weights_after_loading", "quantization_config",
     "LoadSession", "LoadedComponents", "LoraSpec", "RowBinding", "RowLoad", "StreamFuser", "WeightLoadError", "World",
-    "accelerator_of", "is_transformer", "load_components", "local_device", "resolve_checkpoint",
-    "resolve_target_device", "save_components", "row_wise_methods",
+    "accelerator_of", "dist_backend", "is_transformer", "load_components", "resolve_checkpoint",
+    "resolve_compute_device", "resolve_target_device", "save_components", "row_wise_methods",
     # rank_local behind a door that builds its model (vllm-omni): its quantized layers, their layout, the rows traced
     "DequantizedBinding", "bind", "materialize_local_shards", "row_layers", "scale_key", "status_memory",
     "to_row_layout",
@@ -145,7 +117,8 @@ class LoadSession:
                         host=host, device=self.device, rank=self.world.rank if rank is None else rank,
                         starting=starting, before_verdict=before_verdict, strategies=strategies)
 
-    def resolve(self, checkpoint: str | os.PathLike, *, components: Sequence[str] | None = None) -> list[ComponentSource]:
+    def resolve(self, checkpoint: str | os.PathLike, *,
+                components: Sequence[str] | None = None) -> list[ComponentSource]:
         """The checkpoint's components (headers only), adopted (:meth:`adopt`)."""
         with self.report.phase("resolve"):
             sources = resolve_checkpoint(checkpoint, components=components, allow_pickle=self.options.allow_pickle)
@@ -171,16 +144,15 @@ class LoadSession:
         self.loras = assign_loras(self.lora_specs, dits) if self.lora_specs else {}
 
     def free_memory(self) -> int | None:
-        """Free bytes of this session's accelerator as its backend says (None on the CPU, or where it cannot say)."""
+        """Free bytes of this session's accelerator, as its backend says (None on the CPU)."""
         return platform.free_memory(self.device)
 
     def watch(self, what: str, *, whole_process: bool = False):
-        """The memory-pressure watch (``pressure``) for ``what``: for the block (a context manager), or with
-        ``whole_process`` for as long as the process lives (a server worker's load and first run)."""
+        """The memory-pressure watch for ``what``: a context manager, or for the process's life (``whole_process``)."""
         return pressure.watch_process(what) if whole_process else pressure.watching(what)
 
     def mark_baseline(self) -> None:
-        """This process's RSS now is what the load starts from (``LoadReport.baseline_rss_bytes``)."""
+        """This process's RSS now is what the load starts from (``baseline_rss_bytes``)."""
         self.report.baseline_rss_bytes = status_memory().get("VmRSS", 0)
 
     def lora_files(self, name: str) -> list[tuple[str, float]]:
@@ -200,17 +172,16 @@ class LoadSession:
                                       component=source.name)
 
     def stream_fuser(self, source: ComponentSource, *, dtype: torch.dtype | None = None) -> StreamFuser | None:
-        """The fuser of ``source``'s checkpoint stream (:meth:`stream`) for its LoRA files, checked against its
-        skeleton built on ``meta`` before any weight is read; None without any."""
+        """The fuser of :meth:`stream` for ``source``'s LoRA files (``fused_stream.lora_fuser``); None without any."""
         options = self.options
         with self.report.phase("lora"):
             return lora_fuser(source, self.lora_files(source.name), dtype=dtype or self.dtype,
                               strict=options.lora_strict, chunk_mb=options.lora_device_chunk_mb,
                               check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
 
-    def component(self, source: ComponentSource, *, name: str | None = None) -> ComponentReport:
-        """A new entry of the report for ``source`` (``name``: the component's name in the door's model)."""
-        entry = ComponentReport(name=name or source.name, class_name=str(source.config.get("_class_name", "?")),
+    def component(self, source: ComponentSource) -> ComponentReport:
+        """A new entry of the report for ``source``."""
+        entry = ComponentReport(name=source.name, class_name=str(source.config.get("_class_name", "?")),
                                 files=len(source.files), lora_files=len(self.loras.get(source.name, ())))
         self.report.components.append(entry)
         return entry
@@ -227,8 +198,8 @@ class LoadSession:
             yield
 
     def staging(self, device: torch.device | None) -> DeviceStaging | None:
-        """The pinned staging ring for reads landing on ``device`` (``pinned_staging_mb``), one per device and
-        load; None on the host, with 0 bytes, or where pinned memory cannot be had."""
+        """The pinned staging ring (``pinned_staging_mb``) for reads onto ``device``, one per device; None on the host,
+        with 0 bytes, or where pinned memory cannot be had."""
         if device is None:
             return None
         if device not in self._staging:
@@ -259,16 +230,17 @@ class LoadSession:
         entry.read_s = time.perf_counter() - start - entry.lora_s
 
     def fill(self, module: nn.Module, source: ComponentSource, *, entry: ComponentReport) -> LoadResult:
-        """Every tensor of ``source`` into ``module`` -- through the module's own ``load_weights`` where it has one
-        (a model vLLM built) -- strictly checked, onto its accelerator through the staging ring; counted into
-        ``entry``."""
+        """Every tensor of ``source`` into ``module`` (through its own ``load_weights`` where it has one: a model vLLM
+        built), strictly checked, onto its accelerator through the staging ring; counted into ``entry``."""
+        options = self.options
         with self.reading(source.name):
-            result = weights.load_into_module(module, source=source, strict_unexpected=self.options.strict_unexpected,
-                                      threads=self.options.threads, staging=self.staging(accelerator_of([module])))
+            result = weights.load_into_module(module, source=source, strict_unexpected=options.strict_unexpected,
+                                              threads=options.threads, staging=self.staging(accelerator_of([module])))
         entry.bytes_read, entry.tensors, entry.read_s = result.bytes_read, len(result.loaded), result.seconds
         return result
 
-    def tensors(self, source: ComponentSource, *, device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, source: ComponentSource, *,
+                device: torch.device | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``source``'s tensors by checkpoint name, in order (on ``device`` through the staging ring)."""
         return iterate_weights(source, threads=self.options.threads, staging=self.staging(device))
 
@@ -283,11 +255,10 @@ class LoadSession:
         return stats
 
     def shard(self, module: nn.Module, *, entry: ComponentReport):
-        """``module`` sharded with HSDP over the current world when it declares ``_hsdp_shard_conditions`` or
-        ``hsdp_block_pattern`` is set (else None): FSDP2 over a ``(replicate, shard)`` mesh of the options' sizes."""
+        """``module`` sharded with HSDP when it declares ``_hsdp_shard_conditions`` or ``hsdp_block_pattern`` is set."""
         if not getattr(module, "_hsdp_shard_conditions", None) and not self.options.hsdp_block_pattern:
             return None
-        if self.world.world_size == 1 and not dist.is_initialized():
+        if not dist.is_initialized():
             raise RuntimeError("HSDP was requested but torch.distributed is not initialized")
         config = HSDPConfig(replicate_size=self.options.hsdp_replicate_size, shard_size=self.options.hsdp_shard_size)
         shard = apply_hsdp(module, mesh=build_mesh(config, device_type=self.device.type), config=config,
@@ -296,7 +267,6 @@ class LoadSession:
             shard.source
         return shard
 
-    # ---- a component through the strategies -----------------------------------------------------------------
     def load_all(self, checkpoint: str | os.PathLike, *, components: Sequence[str] | None = None) -> LoadedComponents:
         """Every component of ``checkpoint`` (default: its DiTs) loaded on this rank, the DiTs sharded with HSDP when
         the session has an HSDP config, the others placed on the device; the report finished."""
@@ -369,9 +339,8 @@ class LoadSession:
 
     def load_rows(self, source: ComponentSource, *, entry: ComponentReport, rows: RowLoad,
                   fuser: StreamFuser | None) -> set[str]:
-        """``rank_local`` for a DiT its door sharded on ``meta`` and whose rows it traced (``rows``): this rank's
-        rows read, LoRA fused into them, quantized where its layers are; counted into ``entry``. Returns the
-        checkpoint keys read."""
+        """``rank_local`` for a DiT its door sharded on ``meta`` and whose rows it traced (``rows``): this rank's rows
+        read, LoRA fused, quantized where its layers are; counted into ``entry``; the checkpoint keys read."""
         start = time.perf_counter()
         with self.reading(source.name):
             done = load_bound_rows(source, rows, fuser=fuser, options=self.options, staging=self.staging(rows.device))
@@ -383,9 +352,8 @@ class LoadSession:
 
     def finish(self, *, total_s: float | None = None, names: Iterable[str] | None = None,
                log: logging.Logger | None = None) -> LoadReport:
-        """The report finished (the peak RSS), one INFO line per component on ``log`` -- the door's logger -- and
-        returned (``report.report_line``; ``names``: the components to report, a default entry for one this rank did
-        not read)."""
+        """The report finished (the peak RSS), one INFO line per component (``names``: those to report, an empty entry
+        for one this rank did not read) on ``log`` -- the door's logger -- and returned."""
         report = self.report.finish()
         by_name = {c.name: c for c in report.components}
         total = report.seconds.get("total", 0.0) if total_s is None else total_s
@@ -400,9 +368,8 @@ def load_components(checkpoint: str | os.PathLike, *, options: LoadOptions, comp
                     device: torch.device, dtype: torch.dtype, hsdp: HSDPConfig | None = None,
                     lora_specs: Sequence[LoraSpec] = (), progress: bool | None = None,
                     quantization=None) -> LoadedComponents:
-    """Load a diffusers checkpoint's components on this rank, ending sharded (HSDP) or on ``device``
-    (``LoadSession.load_all``). Transformers get the LoRA files and, when ``hsdp`` is given, FSDP2 sharding over a
-    ``(replicate, shard)`` mesh of the current world; every rank must call this with the same arguments."""
+    """``LoadSession.load_all`` of a diffusers checkpoint on this rank: its DiTs LoRA-fused and, with ``hsdp``,
+    sharded over a ``(replicate, shard)`` mesh of the current world (every rank calls it alike); the rest placed."""
     session = LoadSession(options, device=device, dtype=dtype, hsdp=hsdp, lora_specs=lora_specs, progress=progress,
                           quantization=quantization)
     return session.load_all(checkpoint, components=components)

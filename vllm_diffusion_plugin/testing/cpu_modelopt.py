@@ -18,17 +18,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.linear import (
-    LinearBase,
-    LinearMethodBase,
-    UnquantizedLinearMethod,
-)
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.modelopt import ModelOptFp8Config
-from vllm.model_executor.parameter import (
-    ChannelQuantScaleParameter,
-    ModelWeightParameter,
-    PerTensorScaleParameter,
-)
+from vllm.model_executor.parameter import ChannelQuantScaleParameter, ModelWeightParameter, PerTensorScaleParameter
 
 from vllm_diffusion_plugin.engine.quant.fp8 import FP8, dequantize
 from vllm_diffusion_plugin.engine.quant.layer import Fp8RowMethod

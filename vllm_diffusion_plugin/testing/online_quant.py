@@ -17,10 +17,7 @@ import re
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.quantization.base_config import (
-    QuantizationConfig,
-    QuantizeMethodBase,
-)
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import layerwise
 
 from vllm_diffusion_plugin.engine.quant.fp8 import FP8  # noqa: F401 (re-exported for tests)

@@ -40,10 +40,7 @@ def reset_fake_accelerator(accelerator: FakeAccelerator) -> None:
     timings for the fake device (``FAKE_SIDE_TIMINGS``)."""
     import torch
 
-    from vllm_diffusion_plugin.engine.lora.fuse import (
-        forget_side_timings,
-        record_side_timings,
-    )
+    from vllm_diffusion_plugin.engine.lora.fuse import forget_side_timings, record_side_timings
 
     accelerator.reset_counters()
     accelerator.clear_failures()

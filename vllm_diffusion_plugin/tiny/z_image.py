@@ -16,11 +16,7 @@ from pathlib import Path
 import torch
 
 from vllm_diffusion_plugin.tiny.models import seed_parameters
-from vllm_diffusion_plugin.tiny.tokenizers import (
-    QWEN3_CHAT_TEMPLATE,
-    QWEN3_SPECIAL,
-    qwen2_tokenizer,
-)
+from vllm_diffusion_plugin.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL, qwen2_tokenizer
 
 TINY_Z_IMAGE_TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)

@@ -304,7 +304,7 @@ def _main(argv: list[str] | None) -> int:
         return _failed(exc, args, interrupted="every rank stopped, nothing was written")
     finally:
         signal.signal(signal.SIGTERM, previous)
-    from vllm_diffusion_plugin.engine.report import format_table
+    from vllm_diffusion_plugin.engine.session import format_table
 
     before_main = {"startup": age} if age is not None else {}
     seconds = merged["seconds"]  # a spawned rank imports the classes again: its own "imports", after ours

@@ -36,12 +36,7 @@ from vllm_diffusion_plugin.engine.session import (
     resolve_target_device,
     save_components,
 )
-from vllm_diffusion_plugin.tiny.models import (
-    PIPELINES,
-    build_tiny_model,
-    write_tiny_lora,
-    write_tiny_pipeline,
-)
+from vllm_diffusion_plugin.tiny.models import PIPELINES, build_tiny_model, write_tiny_lora, write_tiny_pipeline
 
 
 def validate(args: argparse.Namespace, options: LoadOptions, world_size: int) -> list:

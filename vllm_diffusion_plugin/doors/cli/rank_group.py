@@ -21,8 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import platform
-from vllm_diffusion_plugin.engine.errors import DistributedLoadError
+from vllm_diffusion_plugin.engine.session import DistributedLoadError, dist_backend
 
 logger = init_logger(__name__)
 
@@ -41,9 +40,9 @@ def join(device: torch.device, *, collective_timeout_s: float, read_timeout_s: f
         getattr(torch, device.type).set_device(device)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     if init_method is None:  # torchrun: its env:// rendezvous
-        dist.init_process_group(platform.dist_backend(device), timeout=timeout)
+        dist.init_process_group(dist_backend(device), timeout=timeout)
     else:  # spawned ranks: a file store, no port to pick and race for
-        dist.init_process_group(platform.dist_backend(device), init_method=init_method,
+        dist.init_process_group(dist_backend(device), init_method=init_method,
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=timeout)
     logger.info("Rank %d of %d joined the process group (%s): collective timeout %g s, read timeout %g s",

@@ -40,12 +40,7 @@ import functools
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni._patching import (
-    is_patched,
-    mark,
-    require_attr,
-    require_params,
-)
+from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
 
 logger = init_logger(__name__)
 
@@ -155,7 +150,7 @@ def hsdp_parallel_config(parallel_config: Any, options: Any, *, world_size: int)
 
     Returns ``parallel_config`` itself when vllm-omni's own HSDP options are already on, or on one rank with
     no sizes given, else a copy made with ``dataclasses.replace`` (so vllm-omni's own validation runs on it)."""
-    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.session import HSDPConfig
 
     ours = HSDPConfig(replicate_size=options.hsdp_replicate_size, shard_size=options.hsdp_shard_size)
     given = (ours.replicate_size, ours.shard_size) != (HSDPConfig().replicate_size, HSDPConfig().shard_size)

@@ -53,13 +53,7 @@ import time
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni._patching import (
-    UnrecognizedShape,
-    is_patched,
-    mark,
-    require_attr,
-    require_params,
-)
+from vllm_diffusion_plugin.doors.omni._patching import UnrecognizedShape, is_patched, mark, require_attr, require_params
 from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
 logger = init_logger(__name__)
@@ -109,10 +103,7 @@ def apply(module: Any) -> str:
 def _wrap_init(original):
     @functools.wraps(original)
     def __init__(self, load_config, od_config, *args, **kwargs):
-        from vllm_diffusion_plugin.doors.omni import (
-            patch_load_format,
-            serve_options,
-        )
+        from vllm_diffusion_plugin.doors.omni import patch_load_format, serve_options
 
         original(self, load_config, od_config, *args, **kwargs)
         if serve_options.carried(od_config) and not patch_load_format.uses_diffusion_hsdp(self):
@@ -124,11 +115,7 @@ def _wrap_init(original):
 def _wrap_load_model(original):
     @functools.wraps(original)
     def load_model(self, load_device, load_format="default", custom_pipeline_name=None, device=None, **kwargs):
-        from vllm_diffusion_plugin.doors.omni import (
-            load_path,
-            patch_load_format,
-            patch_worker_death,
-        )
+        from vllm_diffusion_plugin.doors.omni import load_path, patch_load_format, patch_worker_death
 
         if not patch_load_format.uses_diffusion_hsdp(self):
             return original(self, load_device, load_format, custom_pipeline_name, device, **kwargs)
@@ -142,7 +129,7 @@ def _wrap_load_model(original):
             patch_worker_death.record_error(load_path.World.current().rank, exc)
             raise
         names = [load_path.component_name(s) for s in self._get_weight_sources(model)]
-        session.finish(total_s=time.perf_counter() - start, names=names, log=logger)  # one line per DiT, read here or not
+        session.finish(total_s=time.perf_counter() - start, names=names, log=logger)  # every DiT, read here or not
         return model
 
     return load_model
@@ -166,11 +153,7 @@ def _wrap_load_model_with_hsdp(original):
     @functools.wraps(original)
     def _load_model_with_hsdp(self, target_device, load_format="default", custom_pipeline_name=None, *args,
                               **kwargs):
-        from vllm_diffusion_plugin.doors.omni import (
-            load_path,
-            patch_load_format,
-            rank_local,
-        )
+        from vllm_diffusion_plugin.doors.omni import load_path, patch_load_format, rank_local
 
         session = load_path.session_of(self)
         if not patch_load_format.uses_diffusion_hsdp(self) or session is None \

@@ -76,7 +76,7 @@ def apply(module: Any) -> str:
 def _probe_based_resolver(original):
     def _resolve_lora_compute_device():
         """Our probe-based rule (``lora.fuse.resolve_compute_device``); starts a new load/unload call."""
-        from vllm_diffusion_plugin.engine.lora.fuse import resolve_compute_device
+        from vllm_diffusion_plugin.engine.session import resolve_compute_device
 
         _calls.warned = False
         device = resolve_compute_device()

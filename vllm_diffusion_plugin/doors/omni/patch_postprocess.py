@@ -36,12 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni._patching import (
-    is_patched,
-    mark,
-    require_attr,
-    require_params,
-)
+from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
 
 logger = init_logger(__name__)
 
@@ -79,9 +74,7 @@ def apply(module: Any) -> str:
 def _replacement(original):
     @functools.wraps(original)
     def _process_weights_after_loading(self, model, target_device):
-        from vllm_diffusion_plugin.engine.postprocess import (
-            process_weights_after_loading,
-        )
+        from vllm_diffusion_plugin.engine.session import process_weights_after_loading
 
         od_config = getattr(self, "od_config", None)
         view = OmniModelConfigView(dtype=od_config.dtype) if od_config is not None else None

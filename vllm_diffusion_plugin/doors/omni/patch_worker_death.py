@@ -52,12 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni._patching import (
-    is_patched,
-    mark,
-    require_attr,
-    require_params,
-)
+from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
 
 logger = init_logger(__name__)
 

@@ -23,11 +23,7 @@ from typing import Any
 
 from vllm_diffusion_plugin import envs
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni.serve_options import (
-    field_of,
-    quant_name,
-    weight_load_strategy,
-)
+from vllm_diffusion_plugin.doors.omni.serve_options import field_of, quant_name, weight_load_strategy
 from vllm_diffusion_plugin.engine.session import (
     HSDPConfig,
     LoraSpec,

@@ -96,8 +96,8 @@ def check_lora_files(options: Any, od_config: Any) -> None:
     model = field_of(od_config, "model", None)
     if not options.lora_path or not model or not Path(str(model)).is_dir():
         return
-    session = LoadSession(options, device=torch.device("cpu"), dtype=torch.float32,
-                          lora_specs=[LoraSpec.parse(text, default_scale=options.lora_scale) for text in options.lora_path])
+    specs = [LoraSpec.parse(text, default_scale=options.lora_scale) for text in options.lora_path]
+    session = LoadSession(options, device=torch.device("cpu"), dtype=torch.float32, lora_specs=specs)
     dits = [s for s in resolve_checkpoint(str(model), allow_pickle=options.allow_pickle) if is_transformer(s)]
     session.adopt(dits, our_quantization=False)  # quantization: the workers' check, with vllm-omni's config
     for source in dits:

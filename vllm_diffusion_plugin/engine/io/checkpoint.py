@@ -28,11 +28,7 @@ from typing import Any, Literal
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.errors import CheckpointError, PickleRefusedError
-from vllm_diffusion_plugin.engine.io.headers import (
-    TensorInfo,
-    read_pickle_manifest,
-    read_safetensors_header,
-)
+from vllm_diffusion_plugin.engine.io.headers import TensorInfo, read_pickle_manifest, read_safetensors_header
 
 logger = init_logger(__name__)
 

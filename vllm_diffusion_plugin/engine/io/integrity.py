@@ -3,10 +3,10 @@
 The headers are read once (``checkpoint.resolve_checkpoint``) and the bytes later, by offsets those headers gave.
 A shard truncated or replaced in between (a sync job, a second download into the same folder, a network store
 serving another version) would otherwise fail with whatever the read meets, naming nothing, or -- a file replaced
-by one of the same size -- load its bytes as the weights the old header described, silently. :func:`stamp` records each file's identity (device,
-inode, size, modification time) right after its header is read; :func:`check_unchanged` compares after a
-component's load and when it failed, and raises :class:`CheckpointChangedError` naming the first file that changed
-and how. A file changed after its bytes were read is refused too: its loaded bytes may be the old ones, but which
+by one of the same size -- load its bytes as the weights the old header described, silently. :func:`stamp` records
+each file's identity (device, inode, size, modification time) right after its header is read;
+:func:`check_unchanged` compares after a component's load and when it failed, and raises
+:class:`CheckpointChangedError` naming the first file that changed and how. A file changed after its bytes were read is refused too: its loaded bytes may be the old ones, but which
 version was read cannot be told.
 """
 

@@ -22,11 +22,7 @@ from vllm_diffusion_plugin.engine.errors import CheckpointError, DistributedLoad
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
 from vllm_diffusion_plugin.engine.io.pagein import pread_into
 from vllm_diffusion_plugin.engine.io.staging import StagedCopy
-from vllm_diffusion_plugin.engine.io.stream import (
-    LoadStats,
-    open_file,
-    unchanged_data_start,
-)
+from vllm_diffusion_plugin.engine.io.stream import LoadStats, open_file, unchanged_data_start
 from vllm_diffusion_plugin.engine.io.threads import read_ahead
 from vllm_diffusion_plugin.engine.progress import progress_bar
 

@@ -40,7 +40,8 @@ def mapped_file(source: ComponentSource, file: Path, keys: list[str]) -> Iterato
         start = start0 + info.offset
         if start + info.nbytes > size:
             raise CheckpointError(f"{file}: error while reading tensor {key!r}: it ends at byte "
-                                  f"{start + info.nbytes}, the file has {size} bytes (truncated since it was resolved?)")
+                                  f"{start + info.nbytes}, the file has {size} bytes (truncated since it was "
+                                  f"resolved?)")
         raw = torch.empty(0, dtype=torch.uint8).set_(storage, start, (info.nbytes,), (1,))
         if mapped_at(start, info) is None:  # read, not viewed: a failing store is then an error, not a SIGBUS
             raw = pread_tensor(file, start, raw)

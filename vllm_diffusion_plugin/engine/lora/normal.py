@@ -54,11 +54,7 @@ from vllm_diffusion_plugin.engine.lora.types import (
     UnmatchedLoraKeysError,
     UnsupportedLoraError,
 )
-from vllm_diffusion_plugin.engine.lora.wan import (
-    diffusers_to_wan_name,
-    uses_wan_naming,
-    wan_to_diffusers_name,
-)
+from vllm_diffusion_plugin.engine.lora.wan import diffusers_to_wan_name, uses_wan_naming, wan_to_diffusers_name
 
 logger = init_logger(__name__)
 

@@ -21,11 +21,7 @@ import torch
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.errors import CheckpointError
 from vllm_diffusion_plugin.engine.io.headers import read_safetensors_header
-from vllm_diffusion_plugin.engine.lora.types import (
-    LoraFile,
-    LoraFormatError,
-    LoraRankError,
-)
+from vllm_diffusion_plugin.engine.lora.types import LoraFile, LoraFormatError, LoraRankError
 
 logger = init_logger(__name__)
 

@@ -24,11 +24,7 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.lora.normal import normalize_lora
 from vllm_diffusion_plugin.engine.lora.peft import load_lora
-from vllm_diffusion_plugin.engine.lora.types import (
-    LoraDelta,
-    LoraFormatError,
-    NoLoraTargetsError,
-)
+from vllm_diffusion_plugin.engine.lora.types import LoraDelta, LoraFormatError, NoLoraTargetsError
 
 logger = init_logger(__name__)
 

@@ -12,11 +12,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin.engine.errors import DistributedLoadError
-from vllm_diffusion_plugin.engine.io.rows import (
-    RowBinding,
-    bound_local_rows,
-    identity_bindings,
-)
+from vllm_diffusion_plugin.engine.io.rows import RowBinding, bound_local_rows, identity_bindings
 from vllm_diffusion_plugin.engine.lora.fuse import fuse_lora
 
 

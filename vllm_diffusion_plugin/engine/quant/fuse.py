@@ -14,16 +14,8 @@ import torch
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.io.rows import identity_bindings
 from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows
-from vllm_diffusion_plugin.engine.quant.fp8 import (
-    CHUNK_ELEMENTS,
-    fuse_fp8_rows,
-    max_over,
-)
-from vllm_diffusion_plugin.engine.quant.online import (
-    local_part,
-    shard_group,
-    transient_rows,
-)
+from vllm_diffusion_plugin.engine.quant.fp8 import CHUNK_ELEMENTS, fuse_fp8_rows, max_over
+from vllm_diffusion_plugin.engine.quant.online import local_part, shard_group, transient_rows
 
 logger = init_logger(__name__)
 

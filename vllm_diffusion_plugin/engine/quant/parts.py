@@ -38,21 +38,12 @@ from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.errors import RowQuantError
-from vllm_diffusion_plugin.engine.io.rows import (
-    RowBinding,
-    bound_local_rows,
-    read_bound_rows,
-)
+from vllm_diffusion_plugin.engine.io.rows import RowBinding, bound_local_rows, read_bound_rows
 from vllm_diffusion_plugin.engine.io.stream import LoadStats, iterate_weights
 from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows
 from vllm_diffusion_plugin.engine.postprocess import PROCESSED_ATTR
 from vllm_diffusion_plugin.engine.quant.fp8 import FP8, fuse_fp8_rows, max_over
-from vllm_diffusion_plugin.engine.quant.online import (
-    LayerNames,
-    local_part,
-    shard_group,
-    transient_rows,
-)
+from vllm_diffusion_plugin.engine.quant.online import LayerNames, local_part, shard_group, transient_rows
 
 logger = init_logger(__name__)
 

@@ -40,23 +40,11 @@ from vllm_diffusion_plugin.engine.io.staging import StagedCopy, tensor_bytes
 from vllm_diffusion_plugin.engine.io.stream import iterate_weights
 from vllm_diffusion_plugin.engine.lora import fuse_lora
 from vllm_diffusion_plugin.engine.quant.checkpoints import read_together
-from vllm_diffusion_plugin.engine.quant.fuse import (
-    fuse_fp8_layers,
-    into_layers,
-    split_deltas,
-)
+from vllm_diffusion_plugin.engine.quant.fuse import fuse_fp8_layers, into_layers, split_deltas
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
 from vllm_diffusion_plugin.engine.skeleton import build_component
-from vllm_diffusion_plugin.engine.strategies.base import (
-    ComponentLoad,
-    LoadContext,
-    normalize_lora_files,
-)
-from vllm_diffusion_plugin.engine.strategies.buckets import (
-    Bucket,
-    plan_buckets,
-    plan_digest,
-)
+from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadContext, normalize_lora_files
+from vllm_diffusion_plugin.engine.strategies.buckets import Bucket, plan_buckets, plan_digest
 
 logger = init_logger(__name__)
 

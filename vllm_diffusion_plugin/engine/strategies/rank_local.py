@@ -28,20 +28,11 @@ from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.errors import DistributedLoadError, WeightLoadError
 from vllm_diffusion_plugin.engine.hsdp import apply_hsdp
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
-from vllm_diffusion_plugin.engine.io.rows import (
-    RowBinding,
-    identity_bindings,
-    read_bound_rows,
-)
+from vllm_diffusion_plugin.engine.io.rows import RowBinding, identity_bindings, read_bound_rows
 from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows, fuse_local_rows
 from vllm_diffusion_plugin.engine.quant.fuse import fuse_files_into_fp8, split_deltas
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
-from vllm_diffusion_plugin.engine.quant.online import (
-    QuantLayer,
-    find_layers,
-    quantize_by_block,
-    to_quantized_layout,
-)
+from vllm_diffusion_plugin.engine.quant.online import QuantLayer, find_layers, quantize_by_block, to_quantized_layout
 from vllm_diffusion_plugin.engine.quant.parts import (
     DequantizedBinding,
     Fp8Layer,
@@ -52,15 +43,8 @@ from vllm_diffusion_plugin.engine.quant.parts import (
     unread_targets,
 )
 from vllm_diffusion_plugin.engine.skeleton import build_component
-from vllm_diffusion_plugin.engine.strategies.base import (
-    ComponentLoad,
-    LoadContext,
-    normalize_lora_files,
-)
-from vllm_diffusion_plugin.engine.weights import (
-    strict_check_exemptions,
-    validate_headers,
-)
+from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadContext, normalize_lora_files
+from vllm_diffusion_plugin.engine.weights import strict_check_exemptions, validate_headers
 
 logger = init_logger(__name__)
 

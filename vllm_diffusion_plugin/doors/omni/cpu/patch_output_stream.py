@@ -29,13 +29,7 @@ import inspect
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni._patching import (
-    UnrecognizedShape,
-    is_patched,
-    mark,
-    require_attr,
-    require_params,
-)
+from vllm_diffusion_plugin.doors.omni._patching import UnrecognizedShape, is_patched, mark, require_attr, require_params
 
 logger = init_logger(__name__)
 
