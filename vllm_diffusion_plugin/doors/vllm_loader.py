@@ -161,7 +161,10 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
 
     def _source(self, session: LoadSession, model_config: ModelConfig) -> ComponentSource:
         """vLLM's model folder, resolved (strict manifests) and taken into ``session``: its one component gets every
-        LoRA file; its quantization is vLLM's own (the model vLLM built reads any checkpoint vLLM reads)."""
+        LoRA file; its quantization is vLLM's own (the model vLLM built reads any checkpoint vLLM reads). Resolved
+        once per session: the pre-flight's headers and stamps serve the load."""
+        if session.sources:
+            return next(iter(session.sources.values()))
         try:
             sources = resolve_checkpoint(model_config.model, revision=model_config.revision,
                                          allow_pickle=self.options.allow_pickle)
