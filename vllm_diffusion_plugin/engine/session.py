@@ -28,7 +28,8 @@ from vllm_diffusion_plugin.engine.errors import DistributedLoadError, PickleRefu
 from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, lora_fuser
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
 from vllm_diffusion_plugin.engine.io import integrity
-from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_transformer, resolve_checkpoint
+from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_dit_class, is_transformer, resolve_checkpoint
+from vllm_diffusion_plugin.engine.io.diffusers_classes import import_diffusers, model_class
 from vllm_diffusion_plugin.engine.io.rows import RowBinding
 from vllm_diffusion_plugin.engine.io.staging import DeviceStaging, place_module
 from vllm_diffusion_plugin.engine.io.stream import LoadStats, iterate_weights
@@ -72,6 +73,8 @@ __all__ = [  # the face the doors use: the session, its options and results, and
     "LoadSession", "LoadedComponents", "LoraSpec", "RowBinding", "RowLoad", "StreamFuser", "WeightLoadError", "World",
     "accelerator_of", "dist_backend", "is_transformer", "load_components", "resolve_checkpoint",
     "resolve_compute_device", "resolve_target_device", "save_components", "row_wise_methods",
+    # diffusers in a process that only loads: without what a load never uses, one model class at a time
+    "import_diffusers", "is_dit_class", "model_class",
     # rank_local behind a door that builds its model (vllm-omni): its quantized layers, their layout, the rows traced
     "DequantizedBinding", "bind", "materialize_local_shards", "row_layers", "scale_key", "status_memory",
     "to_row_layout",

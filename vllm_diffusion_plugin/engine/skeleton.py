@@ -28,6 +28,7 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.errors import CheckpointError
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
+from vllm_diffusion_plugin.engine.io.diffusers_classes import import_diffusers, model_class
 from vllm_diffusion_plugin.engine.memory import human_count
 from vllm_diffusion_plugin.engine.quant.checkpoints import fp8_layers
 from vllm_diffusion_plugin.engine.quant.layer import to_fp8_layers
@@ -43,12 +44,11 @@ def component_class(source: ComponentSource) -> type[nn.Module]:
     name = source.config.get("_class_name")
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{config_file}: no _class_name; cannot tell which diffusers class to build")
-    import diffusers
     try:
-        cls = getattr(diffusers, name)
+        cls = model_class(name)
     except (AttributeError, ImportError, RuntimeError) as exc:  # diffusers' lazy module raises on import errors
         raise CheckpointError(f"{config_file}: _class_name {name!r} is not a class diffusers "
-                              f"{diffusers.__version__} provides ({type(exc).__name__}: {exc})") from exc
+                              f"{import_diffusers().__version__} provides ({type(exc).__name__}: {exc})") from exc
     if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "from_config")):
         raise CheckpointError(f"{config_file}: _class_name {name!r} is not a diffusers model class")
     return cls

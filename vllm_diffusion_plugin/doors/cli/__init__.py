@@ -168,38 +168,38 @@ def run_demo(args: argparse.Namespace) -> dict:
         return merged
 
 
-def _missing_cli_extra() -> str | None:
-    """One line naming the extra to install when diffusers (which builds every skeleton) is missing."""
+def _import_diffusers(args: argparse.Namespace) -> str | None:
+    """For ``load`` and ``plan``, import diffusers without what a load never uses (``import_diffusers``) and the
+    DiT classes a local checkpoint names for the components they look at (all of ``model_index.json``'s, or
+    ``--component``; a component folder's ``config.json`` class), each module alone (``model_class``): the
+    skeletons import exactly these anyway -- seconds on a small host --, so the report shows them as ``imports``,
+    not as ``validate``. Problems with the checkpoint are left to validation, which names them. Returns one line
+    naming the extra to install when diffusers (which builds every skeleton) is missing."""
     try:
-        import diffusers  # noqa: F401
+        if args.command not in ("load", "plan"):  # the demos write pipelines with text encoders: diffusers whole
+            import diffusers  # noqa: F401
+            return None
+        from vllm_diffusion_plugin.engine import session
+
+        session.import_diffusers()
     except ImportError as exc:
         return f"the vllm-diffusion command needs diffusers ({exc}): {CLI_EXTRA_HINT}"
-    return None
-
-
-def _import_named_classes(checkpoint: str, components: list[str] | None) -> None:
-    """Import the diffusers classes a local checkpoint names for the components validation will look at (all of
-    ``model_index.json``'s, or ``components``; a component folder's ``config.json`` class): validation and the
-    skeletons import exactly these anyway -- diffusers' model modules pull in peft, transformers and more, seconds
-    on a small host -- so the report shows them as ``imports``, not as ``validate``. Problems are left to
-    validation, which names them."""
-    import diffusers
-
-    folder = Path(checkpoint)
+    folder = Path(args.checkpoint)
     try:
         if (folder / "model_index.json").is_file():
             entries = json.loads((folder / "model_index.json").read_text())
-            entries = {k: v for k, v in entries.items() if components is None or k in components}
+            entries = [v for k, v in entries.items() if args.components is None or k in args.components]
         else:
-            entries = {"": ["diffusers", json.loads((folder / "config.json").read_text()).get("_class_name")]}
+            entries = [["diffusers", json.loads((folder / "config.json").read_text()).get("_class_name")]]
     except (OSError, ValueError, AttributeError):
-        return
-    for value in entries.values():
-        if isinstance(value, list) and len(value) == 2 and value[0] == "diffusers" and isinstance(value[1], str):
+        return None
+    for value in entries:
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str) and session.is_dit_class(*value):
             try:
-                getattr(diffusers, value[1])
+                session.model_class(value[1])
             except Exception:  # unknown or broken class: validation reports it
                 pass
+    return None
 
 
 def _process_age() -> float | None:
@@ -269,9 +269,7 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     quiet_third_party(verbose=args.verbose)
     imports_started = time.perf_counter()
-    missing = _missing_cli_extra()
-    if missing is None and args.command == "load":
-        _import_named_classes(args.checkpoint, args.components)
+    missing = _import_diffusers(args)
     imports = time.perf_counter() - imports_started
     if missing:
         print(f"vllm-diffusion: error: {missing}", file=sys.stderr)

@@ -32,6 +32,7 @@ from vllm_diffusion_plugin.engine.session import (
     PickleRefusedError,
     World,
     check_strategy,
+    import_diffusers,
     merge_ranks,
     resolve_target_device,
     save_components,
@@ -99,6 +100,7 @@ def rank_main(args: argparse.Namespace, options: LoadOptions, *, out_dir: Path |
               plan=None) -> dict:
     """This rank's load session (``plan``: the launcher's pre-flight plan, held against this rank's accelerator
     before the rank joins its group)."""
+    import_diffusers()  # a spawned rank's first: without what a load never uses
     quiet_third_party(verbose=args.verbose)
     compat.configure_vllm_logging()
     quiet_third_party(verbose=args.verbose)  # vLLM's configuration replaced the handlers

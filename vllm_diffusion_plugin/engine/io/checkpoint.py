@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.errors import CheckpointError, PickleRefusedError
+from vllm_diffusion_plugin.engine.io.diffusers_classes import class_module
 from vllm_diffusion_plugin.engine.io.headers import TensorInfo, read_pickle_manifest, read_safetensors_header
 
 logger = init_logger(__name__)
@@ -221,6 +222,9 @@ def _is_dit_class_name(class_name: str) -> bool:
     except ImportError as exc:
         raise CheckpointError(f"telling whether {class_name} is a DiT needs diffusers: "
                               f"pip install \"vllm-diffusion-plugin[cli]\"") from exc
+    module = class_module(class_name)
+    if module is not None:  # a model diffusers lists: its module says, nothing imported
+        return module.startswith("diffusers.models.transformers.")
     try:
         cls = getattr(diffusers, class_name)
     except (AttributeError, ImportError, RuntimeError):
