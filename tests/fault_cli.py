@@ -18,9 +18,11 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from proc_utils import alive
+from fuse_store import wait_for
+from proc_utils import alive, children, is_rank
 
 ROOT = Path(__file__).resolve().parents[1]
+HOOKS = Path(__file__).resolve().parent / "fault_hooks.py"
 CLI = [sys.executable, "-m", "vllm_diffusion_plugin.doors.cli"]
 LOAD = ("--device", "cpu", "--dtype", "float32")
 
@@ -47,6 +49,23 @@ def start(checkpoint: Path, tmp_path: Path, *args: str, script: Path | None = No
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=environ, cwd=tmp_path)
     return proc, tmp, out
+
+
+def held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = True):
+    """The CLI on 2 ranks, ``rank_local``, rank 1 held in its read (``fault_hooks.py``); returns once rank 0 waits
+    in its first collective: (process, tmp, out, ranks by number, rank 0's collective marker)."""
+    env = {"FAULT_DIR": str(tmp_path), "FAULT_HOLD": "1", "FAULT_MARK_COLLECTIVES": "1"}
+    proc, tmp, out = start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "rank_local", "--verbose",
+                           *args, script=HOOKS, env=env, save_fused=save_fused)
+    try:
+        held = wait_for(tmp_path / "held-rank1.json")
+        waiting = wait_for(tmp_path / "collective-rank0.json")
+    except BaseException:
+        proc.kill()
+        raise
+    ranks = [p for p in children(proc.pid) if is_rank(p)]
+    assert sorted(ranks) == sorted([held["pid"], waiting["pid"]]), (ranks, held, waiting)
+    return proc, tmp, out, {0: waiting["pid"], 1: held["pid"]}, waiting
 
 
 def finish(proc: subprocess.Popen, tmp_path: Path, timeout_s: float = 120) -> str:

@@ -17,31 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_cli import errors, finish, gone_within, left_behind, start
-from fuse_store import wait_for
-from proc_utils import children, is_rank
+from fault_cli import errors, finish, gone_within, held_load, left_behind
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
-HOOKS = Path(__file__).resolve().parent / "fault_hooks.py"
 GONE_S = 60  # the issue's bound for every rank gone (generous: seconds are measured and printed)
-
-
-def _held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = True):
-    """The CLI on 2 ranks, ``rank_local``, rank 1 held in its read; returns once rank 0 waits in its first
-    collective: (process, tmp, out, ranks by number, rank 0's collective marker)."""
-    env = {"FAULT_DIR": str(tmp_path), "FAULT_HOLD": "1", "FAULT_MARK_COLLECTIVES": "1"}
-    proc, tmp, out = start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "rank_local", "--verbose",
-                           *args, script=HOOKS, env=env, save_fused=save_fused)
-    try:
-        held = wait_for(tmp_path / "held-rank1.json")
-        waiting = wait_for(tmp_path / "collective-rank0.json")
-    except BaseException:
-        proc.kill()
-        raise
-    ranks = [p for p in children(proc.pid) if is_rank(p)]
-    assert sorted(ranks) == sorted([held["pid"], waiting["pid"]]), (ranks, held, waiting)
-    return proc, tmp, out, {0: waiting["pid"], 1: held["pid"]}, waiting
 
 
 def _signal(proc, tmp_path, ranks: dict[int, int], rank: int, sig: int) -> tuple[str, list[str], float]:
@@ -69,7 +49,7 @@ def test_a_rank_sigkilled_in_or_before_a_collective_after_the_reads_is_named(tin
     rank 0 (killed mid-collective: its peer never comes) or rank 1 (killed while its peer waits in the collective).
     Every rank gone well within the bound, the launcher's line names the dead rank and SIGKILL first, nothing left
     (no process, no /dev/shm segment, no work folder, no output)."""
-    proc, tmp, out, ranks, waiting = _held_load(tiny_wan_dir, tmp_path, save_fused=collective == "all-gather")
+    proc, tmp, out, ranks, waiting = held_load(tiny_wan_dir, tmp_path, save_fused=collective == "all-gather")
     assert ("all-gather" in waiting["what"]) == (collective == "all-gather"), waiting
     err, lines, gone = _signal(proc, tmp_path, ranks, victim, signal.SIGKILL)
     print(f"\n[all gone] victim rank {victim} in {collective}: {gone:.1f} s after its SIGKILL", flush=True)
@@ -85,7 +65,7 @@ def test_a_stalled_peer_ends_the_load_after_the_collective_timeout_naming_it(tin
     in the all-gather of the sharded DiT: with ``--collective-timeout 5`` rank 0's collective fails after 5 s, its
     line names the collective timeout, and the launcher stops rank 1 (SIGTERM stays pending on a stopped process:
     SIGKILL after the grace period). All gone within the bound, nothing left."""
-    proc, tmp, out, ranks, _ = _held_load(tiny_wan_dir, tmp_path, "--collective-timeout", "5")
+    proc, tmp, out, ranks, _ = held_load(tiny_wan_dir, tmp_path, "--collective-timeout", "5")
     err, lines, gone = _signal(proc, tmp_path, ranks, 1, signal.SIGSTOP)
     print(f"\n[all gone] stalled rank 1, collective timeout 5 s: {gone:.1f} s after its SIGSTOP", flush=True)
     assert proc.returncode == 1 and len(lines) == 1, (proc.returncode, err[-3000:])
