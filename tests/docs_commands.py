@@ -5,6 +5,9 @@ benchmark's own ``argparse``, vLLM's and vllm-omni's ``vllm serve``, pyproject's
 
 ``tests/test_docs_commands.py`` checks what the main environment has; ``tests/omni/test_docs_serve_commands.py``
 the ``vllm serve ... --omni`` commands against vllm-omni's parser.
+
+A block marked ``<!-- ci: install ENV -->`` or ``<!-- ci: test ENV -->`` on the line before its fence is one ``.ci/run``
+runs as it is written (:func:`marked_blocks`): how CI builds the environment ``ENV`` and tests in it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 _FENCE = re.compile(r"^```(\S*)\s*$")
+_MARK = re.compile(r"^<!--\s*ci:\s*(\S+)\s+(\S+)\s*-->\s*$")
+CI_KINDS = ("install", "test")
+"""What a marked block is to ``.ci/run``: the commands that build an environment, the command that tests in it."""
 _SEPARATORS = {"&&", "||", ";", "|"}
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -59,6 +65,43 @@ def bash_blocks(page: Path) -> Iterator[tuple[int, list[str]]]:
             block.append(line)
 
 
+@dataclass(frozen=True)
+class MarkedBlock:
+    """A ``bash`` block marked for CI: ``<!-- ci: KIND ENV -->`` on the line before its fence."""
+
+    kind: str
+    env: str
+    where: str
+    text: str
+
+    def commands(self) -> list[Command]:
+        page, _, line = self.where.rpartition(":")
+        return list(block_commands(self.text.splitlines(), page, int(line) + 2))
+
+
+def marked_blocks(pages: tuple[Path, ...] = PAGES) -> dict[tuple[str, str], MarkedBlock]:
+    """``{(kind, env): block}`` of the blocks of ``pages`` marked for CI. A marker not right above a ``bash`` fence,
+    of an unknown kind, or given twice for the same ``(kind, env)``, is an error naming where it is."""
+    found: dict[tuple[str, str], MarkedBlock] = {}
+    for page in pages:
+        name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+        marks = {number: mark.groups() for number, line in enumerate(page.read_text().splitlines(), 1)
+                 if (mark := _MARK.match(line))}
+        for start, lines in bash_blocks(page):
+            if (mark := marks.pop(start - 2, None)) is None:
+                continue
+            kind, env = mark
+            where = f"{name}:{start - 2}"
+            if kind not in CI_KINDS:
+                raise ValueError(f"{where}: ci marker kind {kind!r} is not one of {CI_KINDS}")
+            if (kind, env) in found:
+                raise ValueError(f"{where}: a second 'ci: {kind} {env}' block (the first: {found[kind, env].where})")
+            found[kind, env] = MarkedBlock(kind, env, where, "\n".join(lines))
+        if marks:
+            raise ValueError(f"{name}:{min(marks)}: a ci marker must be the line right above a ```bash fence")
+    return found
+
+
 def logical_lines(lines: list[str]) -> Iterator[tuple[int, str]]:
     """Lines joined across trailing backslashes and across quotes left open (a JSON argument on several lines)."""
     pending, first = "", 0
@@ -82,19 +125,24 @@ def logical_lines(lines: list[str]) -> Iterator[tuple[int, str]]:
 def commands(page: Path) -> Iterator[Command]:
     name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
     for start, lines in bash_blocks(page):
-        for offset, text in logical_lines(lines):
-            words: list[str] = []
-            for word in [*shlex.split(text, comments=True), ";"]:
-                if word not in _SEPARATORS:
-                    words.append(word)
-                    continue
-                env = {}
-                while words and _ASSIGNMENT.match(words[0]):
-                    key, _, value = words.pop(0).partition("=")
-                    env[key] = value
-                if words and words[0] != "export":
-                    yield Command(f"{name}:{start + offset}", env, words)
-                words = []
+        yield from block_commands(lines, name, start)
+
+
+def block_commands(lines: list[str], name: str | Path, start: int) -> Iterator[Command]:
+    """The commands of a block's ``lines`` whose first line is line ``start`` of page ``name``."""
+    for offset, text in logical_lines(lines):
+        words: list[str] = []
+        for word in [*shlex.split(text, comments=True), ";"]:
+            if word not in _SEPARATORS:
+                words.append(word)
+                continue
+            env = {}
+            while words and _ASSIGNMENT.match(words[0]):
+                key, _, value = words.pop(0).partition("=")
+                env[key] = value
+            if words and words[0] != "export":
+                yield Command(f"{name}:{start + offset}", env, words)
+            words = []
 
 
 def commands_in_block(text: str, folder: Path) -> list[Command]:

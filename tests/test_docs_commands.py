@@ -2,6 +2,10 @@
 image they show (the charts of ``docs/charts``) exists.
 
 The ``vllm serve ... --omni`` commands need vllm-omni's parser: ``tests/omni/test_docs_serve_commands.py``.
+
+The blocks marked for CI (``<!-- ci: install|test ENV -->``) are the ones ``.ci/run`` runs as written: each of its
+environments has both, each builds or tests only its own environment, and README's install, demo and tests follow one
+another in one environment, as a newcomer pastes them.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from pathlib import Path
 
 import pytest
 from docs_commands import (
-    PAGES, ROOT, Command, all_commands, commands, commands_in_block, extras, parse_only, requested_extras, script_main,
-    serve_errors)
+    CI_KINDS, PAGES, ROOT, Command, MarkedBlock, all_commands, bash_blocks, block_commands, commands, commands_in_block,
+    extras, marked_blocks, parse_only, requested_extras, script_main, serve_errors)
 
 COMMANDS = all_commands()
+MARKED = marked_blocks()
 _PYTEST_VALUE_FLAGS = {"-m", "-k", "-p", "-W", "--junitxml", "--rootdir"}
 
 
@@ -141,3 +146,70 @@ def test_a_missing_image_fails_the_check(tmp_path):
 def test_the_readme_and_the_figure_pages_show_charts():
     shown = {page.name: [t for t in images(page) if "charts/" in t] for page in PAGES}
     assert shown["README.md"] and shown["performance.md"] and shown["plan-and-memory.md"], shown
+
+
+def ci_environments() -> set[str]:
+    """The environments ``.ci/run`` names (``.venv``, ``.venv-omni``, ...)."""
+    return set(re.findall(r"(?<![\w.-])\.venv[\w-]*", (ROOT / ".ci" / "run").read_text()))
+
+
+def marked_block_errors(block: MarkedBlock) -> list[str]:
+    """What is wrong with a block marked for CI: an install block makes ``ENV`` with ``python3 -m venv ENV`` and then
+    runs only ``ENV/bin/pip install ...``; a test block is one ``ENV/bin/python -m pytest ...`` command."""
+    found, env = block.commands(), block.env
+    if block.kind == "install":
+        errors = [] if found and found[0].argv == ["python3", "-m", "venv", env] else [
+            f"{block.where}: an install block starts with `python3 -m venv {env}`"]
+        errors += [f"{c.where}: {' '.join(c.argv)}: only `{env}/bin/pip install ...` after the venv"
+                   for c in found[1:] if c.argv[:2] != [f"{env}/bin/pip", "install"] or c.env]
+        return errors + ([] if len(found) > 1 else [f"{block.where}: an install block installs"])
+    if len(found) != 1 or found[0].argv[:3] != [f"{env}/bin/python", "-m", "pytest"]:
+        return [f"{block.where}: a test block is one `{env}/bin/python -m pytest ...` command"]
+    return []
+
+
+def test_ci_has_an_install_and_a_test_block_for_each_of_its_environments():
+    envs = ci_environments()
+    assert envs >= {".venv", ".venv-omni"}, envs
+    missing = [f"<!-- ci: {kind} {env} -->" for env in sorted(envs) for kind in CI_KINDS if (kind, env) not in MARKED]
+    assert not missing, f"no block marked {missing} in README.md or docs/"
+    assert {env for _, env in MARKED} <= envs, f"blocks marked for environments .ci/run does not build: {MARKED}"
+
+
+@pytest.mark.parametrize("block", MARKED.values(), ids=[f"{b.kind} {b.env}" for b in MARKED.values()])
+def test_a_marked_block_builds_or_tests_its_own_environment(block):
+    assert not marked_block_errors(block)
+
+
+def test_the_readme_installs_runs_the_demo_and_tests_in_one_environment():
+    """README's first three commands, as a newcomer pastes them one after the other in a fresh clone: the install
+    block, the demo from the environment it made, the test block of that environment."""
+    readme = ROOT / "README.md"
+    install, demo, test = [list(block_commands(lines, readme.name, start)) for start, lines in bash_blocks(readme)][:3]
+    env = MARKED["install", ".venv-omni"]
+    assert install == env.commands() and test == MARKED["test", ".venv-omni"].commands(), (install, test)
+    assert [c.argv[0] for c in demo] == [".venv-omni/bin/vllm-diffusion"], demo
+
+
+@pytest.mark.parametrize("page, error", [
+    ("<!-- ci: install .venv -->\n\n```bash\npython3 -m venv .venv\n```\n", "right above"),
+    ("<!-- ci: build .venv -->\n```bash\npython3 -m venv .venv\n```\n", "not one of"),
+    ("<!-- ci: test .venv -->\n```bash\n.venv/bin/python -m pytest\n```\n" * 2, "a second"),
+])
+def test_a_misplaced_or_repeated_ci_marker_is_an_error(tmp_path, page, error):
+    (tmp_path / "page.md").write_text(page)
+    with pytest.raises(ValueError, match=error):
+        marked_blocks((tmp_path / "page.md",))
+
+
+@pytest.mark.parametrize("kind, text", [
+    ("install", "python3 -m venv .venv-omni && .venv/bin/pip install -e ."),
+    ("install", "python3 -m venv .venv && pip install -e ."),
+    ("install", "python3 -m venv .venv"),
+    ("install", ".venv/bin/pip install -e ."),
+    ("test", ".venv/bin/python -m pytest && .venv/bin/python -m pytest tests/omni"),
+    ("test", "python -m pytest"),
+])
+def test_a_marked_block_that_builds_or_tests_another_environment_fails_the_check(tmp_path, kind, text):
+    (tmp_path / "page.md").write_text(f"<!-- ci: {kind} .venv -->\n```bash\n{text}\n```\n")
+    assert marked_block_errors(marked_blocks((tmp_path / "page.md",))[kind, ".venv"])
