@@ -1,6 +1,6 @@
 """What each start-up path of the CLI imports (issue 48): a process pays for what it uses.
 
-Each case runs the real command in a fresh interpreter and reads the modules it holds as it exits (what a user's
+Each case runs the command's ``main`` in a fresh interpreter and reads the modules it holds when it returns (what a user's
 process imports, not this test process's): ``--help`` and an argument error
 import no torch; ``plan`` and a 1-rank ``load`` import vLLM's logger and nothing more of vLLM, the one diffusers
 transformer the checkpoint names and none of the rest of diffusers' zoo, and none of the packages diffusers
@@ -20,10 +20,13 @@ import pytest
 from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora
 
 RUN_CLI = """
-import atexit, json, runpy, sys
-listing = sys.argv.pop(1)
-atexit.register(lambda: open(listing, "w").write(json.dumps(sorted(sys.modules))))
-runpy.run_module("vllm_diffusion_plugin.doors.cli", run_name="__main__", alter_sys=True)
+import json, sys
+from vllm_diffusion_plugin.doors.cli import main
+try:
+    code = main(sys.argv[2:])
+finally:
+    open(sys.argv[1], "w").write(json.dumps(sorted(sys.modules)))
+sys.exit(code)
 """
 NOT_FOR_A_LOAD = ("flashinfer", "peft", "transformers")
 VLLM_BEYOND_ITS_LOGGER = ("vllm.config", "vllm.model_executor", "vllm.platforms", "vllm.distributed", "vllm.v1",

@@ -245,6 +245,17 @@ def _failed(exc: BaseException, args: argparse.Namespace, *, interrupted: str, m
     return 1
 
 
+def run() -> None:
+    """The ``vllm-diffusion`` command: ``main``, then an exit without the interpreter's teardown of torch and
+    diffusers (~0.8 s of a 2-core host's time, after the work is done), every stream and log handler flushed
+    first. ``main`` itself returns, for callers in the same process."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command (see ``_main``); a caller in the same process (a test) gets our loggers' level back after it."""
     ours = logging.getLogger(OURS)
