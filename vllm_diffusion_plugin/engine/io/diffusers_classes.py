@@ -40,7 +40,7 @@ def import_diffusers() -> types.ModuleType:
     for name in hidden:
         sys.modules[name] = None
     try:
-        import diffusers.models.modeling_utils  # noqa: F401  (diffusers' flags are set here, once per process)
+        import diffusers.models.modeling_utils  # diffusers' flags are set here, once per process
     finally:
         for name in hidden:
             if sys.modules.get(name, False) is None:
