@@ -86,9 +86,12 @@ def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, 
     errors = [line for line in err.splitlines() if line.startswith("vllm-diffusion: ")]
     assert proc.returncode == 1 and len(errors) == 1, (proc.returncode, err[-3000:])
     mounted = checkpoint / "transformer" / shard.name
-    assert f"{mounted} at byte " in errors[0] and "no answer within 5 s (read_timeout_s)" in errors[0], errors[0]
-    offset = int(re.search(r" at byte (\d+)", errors[0]).group(1))
-    assert offset <= stalled["offset"] + stalled["size"], (offset, stalled)
+    assert f"{mounted} " in errors[0] and "no answer within 5 s (read_timeout_s)" in errors[0], errors[0]
+    at_byte = re.search(r" at byte (\d+)", errors[0])
+    if at_byte is None:  # the peer timed out first, opening that file from the stalled store (seen on a busy host)
+        assert f"{mounted} (opening it)" in errors[0], errors[0]
+    else:
+        assert int(at_byte.group(1)) <= stalled["offset"] + stalled["size"], (at_byte.group(1), stalled)
     assert _left_behind(ranks, tmp, out) == []
 
 
