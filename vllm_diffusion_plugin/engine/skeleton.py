@@ -28,7 +28,7 @@ from torch import nn
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.errors import CheckpointError
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource
-from vllm_diffusion_plugin.engine.io.diffusers_classes import import_diffusers, model_class
+from vllm_diffusion_plugin.engine.io.diffusers_classes import model_class
 from vllm_diffusion_plugin.engine.memory import human_count
 from vllm_diffusion_plugin.engine.quant.checkpoints import fp8_layers
 from vllm_diffusion_plugin.engine.quant.layer import to_fp8_layers
@@ -47,8 +47,10 @@ def component_class(source: ComponentSource) -> type[nn.Module]:
     try:
         cls = model_class(name)
     except (AttributeError, ImportError, RuntimeError) as exc:  # diffusers' lazy module raises on import errors
+        import diffusers
+
         raise CheckpointError(f"{config_file}: _class_name {name!r} is not a class diffusers "
-                              f"{import_diffusers().__version__} provides ({type(exc).__name__}: {exc})") from exc
+                              f"{diffusers.__version__} provides ({type(exc).__name__}: {exc})") from exc
     if not (isinstance(cls, type) and issubclass(cls, nn.Module) and hasattr(cls, "from_config")):
         raise CheckpointError(f"{config_file}: _class_name {name!r} is not a diffusers model class")
     return cls
