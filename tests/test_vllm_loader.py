@@ -25,11 +25,11 @@ BAD_LORA_FILES: dict[str, Path] = {}
 
 def write_tiny_llama(root: Path) -> dict[str, Path]:
     """A tiny Llama (transformers), a peft LoRA for it, and the peft-merged checkpoint."""
-    from vllm_diffusion_plugin.tiny.models import add_tiny_llama_lora, build_tiny_llama
+    from vllm_diffusion_plugin.tiny.models import add_tiny_causal_lm_lora, build_tiny_causal_lm
 
-    base = build_tiny_llama(vocab_size=256, max_position_embeddings=128)
+    base = build_tiny_causal_lm(vocab_size=256, max_position_embeddings=128)
     base.save_pretrained(root / "base", safe_serialization=True)
-    peft_model = add_tiny_llama_lora(base, seed=1, b_std=0.05)
+    peft_model = add_tiny_causal_lm_lora(base, seed=1, b_std=0.05)
     peft_model.save_pretrained(root / "lora")
     peft_model.merge_and_unload().save_pretrained(root / "merged", safe_serialization=True)
     return {"base": root / "base", "lora": root / "lora", "merged": root / "merged"}

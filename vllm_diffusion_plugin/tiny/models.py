@@ -167,19 +167,25 @@ TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
                   num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
 """The tiny ``LlamaConfig`` (GQA 2q/1kv heads, head_dim 64: shapes vLLM's kernels accept); callers add vocab
 size, positions and special tokens."""
+TINY_CAUSAL_LMS = {"llama": ("LlamaConfig", "LlamaForCausalLM", TINY_LLAMA),
+                   "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", TINY_LLAMA)}
+"""Tiny causal LMs for the vLLM door: family -> (transformers config class, model class, config). Qwen2 has
+biases on q/k/v, which vLLM packs into ``qkv_proj`` with the weights."""
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def build_tiny_llama(*, seed: int = 0, **config) -> torch.nn.Module:
-    """A tiny transformers ``LlamaForCausalLM`` (``TINY_LLAMA`` updated by ``config``), float32, eval mode,
-    initialized by transformers after ``torch.manual_seed(seed)``. Needs transformers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_tiny_causal_lm(*, seed: int = 0, family: str = "llama", **config) -> torch.nn.Module:
+    """A tiny transformers causal LM of ``family`` (``TINY_CAUSAL_LMS``; its config updated by ``config``),
+    float32, eval mode, initialized by transformers after ``torch.manual_seed(seed)``. Needs transformers."""
+    import transformers
 
+    config_class, model_class, tiny = TINY_CAUSAL_LMS[family]
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**(TINY_LLAMA | config))).to(torch.float32).eval()
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**(tiny | config)))
+    return model.to(torch.float32).eval()
 
 
-def add_tiny_llama_lora(model: torch.nn.Module, *, seed: int, b_std: float) -> torch.nn.Module:
+def add_tiny_causal_lm_lora(model: torch.nn.Module, *, seed: int, b_std: float) -> torch.nn.Module:
     """``model`` wrapped by peft with a rank-8 LoRA (``lora_alpha`` 16) on every ``LLAMA_LORA_TARGETS``
     projection, in eval mode. peft starts ``lora_B`` at zero (no effect); here B is drawn from a normal of
     std ``b_std`` seeded with ``seed``. Save it with ``save_pretrained``; ``merge_and_unload()`` gives the
