@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_diffusion_plugin.engine.report import REPORT_PREFIX
 from vllm_diffusion_plugin.testing.bad_loras import write_bad_lora
 
 SCENARIOS = Path(__file__).parent / "vllm_scenarios" / "get_model_scenarios.py"
@@ -101,7 +102,7 @@ def results(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(SCENARIOS), str(root / "spec.json"), str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in spec}
+    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in spec} | {"log": proc.stdout + proc.stderr}
 
 
 def ok(result: dict) -> dict:
@@ -125,6 +126,17 @@ def test_lora_fused_at_load_equals_peft_merged_checkpoint(results):
     for name, tensor in merged["params"].items():
         torch.testing.assert_close(ours["params"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(ours["logits"], merged["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_every_load_report_times_the_load_and_its_memory(results):
+    """The door's report line, as every door logs it: the load's seconds and the RSS it started from, measured (a
+    load_model outside the session's ``total`` phase logged ``total_s=0.000 ... baseline_rss=0``)."""
+    lines = [line for line in results["log"].splitlines() if REPORT_PREFIX in line]
+    assert len(lines) >= 5, results["log"][-4000:]
+    for line in lines:
+        fields = dict(re.findall(r"(\w+)=(\S+)", line.split(REPORT_PREFIX, 1)[1]))
+        assert float(fields["total_s"]) > 0 and int(fields["baseline_rss"]) > 0, line
+        assert int(fields["peak_rss"]) >= int(fields["baseline_rss"]), line
 
 
 def test_hsdp_when_extra_config_names_a_block_pattern(results):

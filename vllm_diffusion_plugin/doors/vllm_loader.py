@@ -116,16 +116,19 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
         load_device = vllm_config.load_config.device or vllm_config.device_config.device
         target_device = torch.device(load_device)
         session = self._session = self._new_session(model_config, target_device)
+        session.mark_baseline()
         try:
-            self._preflight(session, vllm_config, model_config, target_device)
-            with set_default_torch_dtype(model_config.dtype), target_device:
-                model = compat.initialize_model()(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            self.load_weights(model, model_config)
-            retie = compat.maybe_retie_word_embeddings()
-            if retie is not None:
-                retie(model, model_config)
-            process_weights_after_loading(model, target_device, model_config)
-            shard = session.shard(model, entry=session.report.components[-1])
+            with session.report.phase("total"):  # the report's total_s and peak: the load from pre-flight to shard
+                self._preflight(session, vllm_config, model_config, target_device)
+                with set_default_torch_dtype(model_config.dtype), target_device:
+                    model = compat.initialize_model()(vllm_config=vllm_config, model_config=model_config,
+                                                      prefix=prefix)
+                self.load_weights(model, model_config)
+                retie = compat.maybe_retie_word_embeddings()
+                if retie is not None:
+                    retie(model, model_config)
+                process_weights_after_loading(model, target_device, model_config)
+                shard = session.shard(model, entry=session.report.components[-1])
             if shard is not None:
                 logger.info("HSDP: sharded %d blocks of %s (%s); this rank holds %.1f MB of %.1f MB parameters",
                             len(shard.blocks), type(model).__name__, shard.source, shard.local_bytes / 1e6,
