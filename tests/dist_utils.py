@@ -100,16 +100,6 @@ def _earliest_failure(results, first: tuple, grace_s: float = 1.0) -> tuple:
     return min(failures, key=lambda f: (f[0], f[1]))
 
 
-def restart_fork_server() -> None:
-    """Stop this process's fork server, so that the next :func:`run_distributed` starts a fresh one: for a test that
-    measures a rank's memory. A server started many minutes earlier, beside other work, gave ranks whose load added
-    15-20% more RSS in CI (its file pages reclaimed while it waited, then faulted in again by the load) than ranks of
-    a fresh one. ``_stop`` is CPython's own (its test suite uses it); the server restarts on demand."""
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
-
-
 def run_distributed(fn: Callable[..., Any], world_size: int, *, args: tuple = (), timeout_s: float = 120.0,
                     env: Mapping[str, str] | None = None, start_method: str = "forkserver",
                     preload: Sequence[str] = DEFAULT_PRELOAD) -> list[Any]:
