@@ -245,6 +245,14 @@ def _failed(exc: BaseException, args: argparse.Namespace, *, interrupted: str, m
     return 1
 
 
+def _interrupted_while_importing(signum: int, frame: object) -> None:
+    """SIGINT while the command imports torch and diffusers: nothing has started, so it ends here, at once. Raised
+    inside an import instead, the KeyboardInterrupt can be swallowed by the library being imported and leave it half
+    initialized (CI: numpy's ``linalg`` then recursed until a RecursionError, exit 1 with a traceback)."""
+    print("vllm-diffusion: interrupted (SIGINT)", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def run() -> None:
     """The ``vllm-diffusion`` command: ``main``, then an exit without the interpreter's teardown of torch and
     diffusers (~0.8 s of a 2-core host's time, after the work is done), every stream and log handler flushed
@@ -280,7 +288,11 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     quiet_third_party(verbose=args.verbose)
     imports_started = time.perf_counter()
-    missing = _import_diffusers(args)
+    previous = signal.signal(signal.SIGINT, _interrupted_while_importing)
+    try:
+        missing = _import_diffusers(args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     imports = time.perf_counter() - imports_started
     if missing:
         print(f"vllm-diffusion: error: {missing}", file=sys.stderr)
