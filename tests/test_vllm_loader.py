@@ -102,7 +102,8 @@ def results(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(SCENARIOS), str(root / "spec.json"), str(out)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    return {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in spec} | {"log": proc.stdout + proc.stderr}
+    loaded = {s["name"]: torch.load(out / f"{s['name']}.pt", weights_only=False) for s in spec}
+    return loaded | {"log": proc.stdout + proc.stderr}
 
 
 def ok(result: dict) -> dict:

@@ -50,9 +50,14 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def paths(workdir) -> dict[str, Path]:
-    reference = e2e.build(_PYTHON, workdir)
-    return {k: Path(v) for k, v in reference["paths"].items()} | {"reference": workdir / "reference.json"}
+def reference(workdir) -> dict:
+    """The checkpoints, built once: their paths, transformers' tokens, the key the bad adapter's refusal names."""
+    return e2e.build(_PYTHON, workdir)
+
+
+@pytest.fixture(scope="module")
+def paths(reference) -> dict[str, Path]:
+    return {k: Path(v) for k, v in reference["paths"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +75,8 @@ def _assert_same(ours, default) -> None:
 
 @pytest.mark.parametrize("adapter", ["lora", "lora_kohya"], ids=["peft", "kohya"])
 def test_a_lora_fused_at_load_serves_the_merged_checkpoints_answers(paths, workdir, default_merged, adapter):
-    ours = e2e.serve(f"ours-{adapter}", _PYTHON, paths["base"], workdir, extra_config={"lora_path": str(paths[adapter])})
+    ours = e2e.serve(f"ours-{adapter}", _PYTHON, paths["base"], workdir,
+                     extra_config={"lora_path": str(paths[adapter])})
     _assert_same(ours, default_merged)
     log = Path(ours.log).read_text(errors="replace")
     # the door's own lines reach the server's log: the fused file and the load report
@@ -86,10 +92,9 @@ def test_tensor_parallel_2_serves_the_default_loaders_answers(paths, workdir):
     _assert_same(ours, default)
 
 
-def test_a_bad_adapter_is_refused_before_any_weight_is_read(paths, workdir):
+def test_a_bad_adapter_is_refused_before_any_weight_is_read(paths, reference, workdir):
     """A LoRA whose ``lora_B`` does not fit its module: the server exits before reading the checkpoint, its log
     naming the file and the key in one line."""
-    reference = json.loads(paths["reference"].read_text())
     with e2e.Server("ours-bad-lora", _PYTHON, paths["base"], workdir,
                     extra_config={"lora_path": str(paths["bad_lora"])}) as server:
         status = server.exit_status(900)
