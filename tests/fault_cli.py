@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fuse_store import wait_for
-from proc_utils import alive, children, is_rank
+from proc_utils import alive, descendants, is_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = Path(__file__).resolve().parent / "fault_hooks.py"
@@ -53,7 +53,8 @@ def start(checkpoint: Path, tmp_path: Path, *args: str, script: Path | None = No
 
 def held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = True):
     """The CLI on 2 ranks, ``rank_local``, rank 1 held in its read (``fault_hooks.py``); returns once rank 0 waits
-    in its first collective: (process, tmp, out, ranks by number, rank 0's collective marker)."""
+    in its first collective: (process, tmp, out, ranks by number, rank 0's collective marker). ``process.processes``:
+    the launcher's descendants then (its ranks, the fork server they came from), none of which may be left."""
     env = {"FAULT_DIR": str(tmp_path), "FAULT_HOLD": "1", "FAULT_MARK_COLLECTIVES": "1"}
     proc, tmp, out = start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "rank_local", "--verbose",
                            *args, script=HOOKS, env=env, save_fused=save_fused)
@@ -63,7 +64,8 @@ def held_load(checkpoint: Path, tmp_path: Path, *args: str, save_fused: bool = T
     except BaseException:
         proc.kill()
         raise
-    ranks = [p for p in children(proc.pid) if is_rank(p)]
+    proc.processes = descendants(proc.pid)
+    ranks = [p for p in proc.processes if is_rank(p)]
     assert sorted(ranks) == sorted([held["pid"], waiting["pid"]]), (ranks, held, waiting)
     return proc, tmp, out, {0: waiting["pid"], 1: held["pid"]}, waiting
 

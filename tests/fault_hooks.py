@@ -7,7 +7,10 @@ too: it is the ranks' ``__main__``; under ``torchrun`` each rank runs it). Marke
 - ``FAULT_MARK_COLLECTIVES=1``: each rank writes ``collective-rankR.json`` as it enters its first collective after
   its reads: the all-gather of an FSDP-sharded parameter (``DTensor.full_tensor``: ``--save-fused``) or the
   report's ``gather_object``;
-- under ``torchrun`` (with ``FAULT_DIR``), each rank writes ``started-rankR.json`` as it starts.
+- under ``torchrun`` (with ``FAULT_DIR``), each rank writes ``started-rankR.json`` as it starts;
+- ``FAULT_MARK_START=1``: each local rank writes ``start-PID.json`` as it starts, before anything of its own is
+  imported (this file is run as its ``__main__`` before the rank's function is unpickled): what it started with
+  (``imported``: which of torch, the engine, the load door, diffusers' Wan transformer were already there).
 
     python tests/fault_hooks.py load DIR ...      (the arguments of ``vllm-diffusion``)
 """
@@ -31,6 +34,20 @@ def mark(name: str, what: str) -> Path:
     return path
 
 
+def mark_start() -> None:
+    """``start-PID.json``: the modules this local rank started with (no ``RANK`` yet: the launcher sets it later)."""
+    wanted = ("torch", "torch.distributed.fsdp", "vllm_diffusion_plugin.engine.session",
+              "vllm_diffusion_plugin.doors.cli.load")
+    imported = [name for name in wanted if name in sys.modules]
+    if any("WanTransformer3DModel" in getattr(module, "__dict__", {}) for name, module in list(sys.modules.items())
+           if name.startswith("diffusers.models.")):
+        imported.append("WanTransformer3DModel")
+    path = Path(os.environ["FAULT_DIR"]) / f"start-{os.getpid()}.json"
+    tmp = path.with_name(f".{path.name}")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "parent": os.getppid(), "imported": imported}))
+    tmp.rename(path)
+
+
 def _hold(original):
     def hold(*args, **kwargs):
         if os.environ.get("RANK", "0") == os.environ["FAULT_HOLD"]:
@@ -50,6 +67,8 @@ def _marking(original, what: str):
     return marked
 
 
+if os.environ.get("FAULT_MARK_START") and __name__ == "__mp_main__":  # a local rank (the launcher is __main__)
+    mark_start()
 if os.environ.get("FAULT_DIR") and "TORCHELASTIC_RUN_ID" in os.environ:
     mark("started", "a torchrun worker")
 if os.environ.get("FAULT_HOLD"):

@@ -278,7 +278,28 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_writes_nothing(tiny_wan_d
     assert proc.returncode == code, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "interrupted" in error_lines(err)[-1]
-    assert left_behind(list(ranks.values()), tmp, out) == []
+    assert left_behind(proc.processes, tmp, out) == []  # the ranks, and the fork server they came from
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_local_ranks_start_with_torch_the_engine_and_the_checkpoints_classes_imported(tiny_wan_dir, tmp_path):
+    """Issue 48: a rank of ``--nproc 2`` is forked from a fork server that imported what a rank needs once, beside
+    the launcher's own imports; it does not import torch, the engine or the diffusers classes again. Each rank says
+    what it started with (``fault_hooks.py``, run as the rank's ``__main__`` before the rank's own code). Before: every rank was a fresh interpreter (spawn) that imported all of it again -- seconds
+    of CPU each, after the launcher had: a 2-rank load of a tiny model took ~1.6x a 1-rank one."""
+    hooks = Path(__file__).resolve().parent / "fault_hooks.py"
+    env = {**_env(), "FAULT_DIR": str(tmp_path), "FAULT_MARK_START": "1",
+           "PYTHONPATH": os.pathsep.join([str(hooks.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(hooks), "load", str(tiny_wan_dir), "--nproc", "2", *LOAD, "--json"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    marks = [json.loads(p.read_text()) for p in tmp_path.glob("start-*.json")]
+    assert len(marks) == 2, marks
+    for mark in marks:
+        assert mark["imported"] == ["torch", "torch.distributed.fsdp", "vllm_diffusion_plugin.engine.session",
+                                    "vllm_diffusion_plugin.doors.cli.load", "WanTransformer3DModel"], mark
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_a_ctrl_c_while_the_command_starts_is_one_line_and_exit_130(tiny_wan_dir, tmp_path):

@@ -57,7 +57,7 @@ def test_a_rank_sigkilled_in_or_before_a_collective_after_the_reads_is_named(tin
     assert lines[0].startswith(f"vllm-diffusion: error: rank {victim} died of SIGKILL (out of memory or killed "
                                f"from outside)"), lines[0]
     assert gone < GONE_S, gone
-    assert left_behind(list(ranks.values()), tmp, out) == []
+    assert left_behind(proc.processes, tmp, out) == []
 
 
 def test_a_stalled_peer_ends_the_load_after_the_collective_timeout_naming_it(tiny_wan_dir, tmp_path):
@@ -72,4 +72,4 @@ def test_a_stalled_peer_ends_the_load_after_the_collective_timeout_naming_it(tin
     assert "on rank 0 of 2" in lines[0], lines[0]
     assert "collective timeout 5 s" in lines[0] and "--collective-timeout" in lines[0], lines[0]
     assert gone < GONE_S, gone
-    assert left_behind(list(ranks.values()), tmp, out) == []
+    assert left_behind(proc.processes, tmp, out) == []

@@ -25,7 +25,7 @@ from fault_cli import finish as _finish
 from fault_cli import left_behind as _left_behind
 from fault_cli import start as _start
 from fuse_store import faulty_store, wait_for
-from proc_utils import children, is_rank
+from proc_utils import descendants, is_rank
 
 pytestmark = [pytest.mark.multiproc,
               pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")]
@@ -49,7 +49,8 @@ def test_a_rank_sigkilled_mid_read_or_mid_broadcast_is_named_and_nothing_is_left
         proc, tmp, out = _start(checkpoint, tmp_path, "--nproc", "2", "--hsdp-weight-load", "broadcast", "--verbose")
         try:
             reader = wait_for(fault.marker)["pid"]  # rank 0, the only reader, in a read of that page
-            ranks = [p for p in children(proc.pid) if is_rank(p)]
+            processes = descendants(proc.pid)  # its ranks, the fork server they came from: none may be left
+            ranks = [p for p in processes if is_rank(p)]
             assert reader in ranks and len(ranks) == 2, (reader, ranks)
             os.kill(reader if victim == "reader" else next(p for p in ranks if p != reader), signal.SIGKILL)
             err = _finish(proc, tmp_path)
@@ -63,7 +64,7 @@ def test_a_rank_sigkilled_mid_read_or_mid_broadcast_is_named_and_nothing_is_left
     assert errors[0].startswith(f"vllm-diffusion: error: rank {rank} died of SIGKILL (out of memory or killed from "
                                 f"outside)"), errors[0]
     assert "collective timeout 300 s" in err  # each rank's first INFO line says the bound
-    assert _left_behind(ranks, tmp, out) == []
+    assert _left_behind(processes, tmp, out) == []
 
 
 @pytest.mark.parametrize("strategy", ["broadcast", "rank_local"])
@@ -78,7 +79,7 @@ def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, 
                                 "--read-timeout", "5")
         try:
             stalled = wait_for(fault.marker)
-            ranks = [p for p in children(proc.pid) if is_rank(p)]
+            processes = descendants(proc.pid)  # its ranks, the fork server they came from: none may be left
             err = _finish(proc, tmp_path)
         finally:
             if proc.poll() is None:
@@ -92,7 +93,7 @@ def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, 
         assert f"{mounted} (opening it)" in errors[0], errors[0]
     else:
         assert int(at_byte.group(1)) <= stalled["offset"] + stalled["size"], (at_byte.group(1), stalled)
-    assert _left_behind(ranks, tmp, out) == []
+    assert _left_behind(processes, tmp, out) == []
 
 
 @pytest.mark.parametrize(("strategy", "threads"), [("full", "4"), ("rank_local", "4"), ("full", "1")])

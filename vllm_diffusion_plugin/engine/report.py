@@ -23,7 +23,8 @@ PHASES = ("startup", "imports", "demo_write", "validate", "preflight", "resolve"
 ``imports`` (the diffusers classes the checkpoint names: code, seconds and ~400 MB of RSS for a diffusers model
 module, paid before ``baseline_rss_bytes`` is taken), then ``total``, the load proper from the strategy checks to
 the last component sharded. The CLI adds its launching process's ``startup`` (process start to ``main``) and
-``imports`` (torch, diffusers and the same classes; a spawned rank's own are added to it), ``demo_write`` (the
+``imports`` (torch, diffusers and the same classes; with local ranks, the wait for the fork server's imports as
+the ranks start and a rank's own class imports are added to it), ``demo_write`` (the
 demo's tiny checkpoint), ``validate`` (its checks before any rank starts) and ``wall`` (process start to the
 report)."""
 

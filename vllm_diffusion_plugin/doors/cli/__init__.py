@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from vllm_diffusion_plugin.doors.cli.noise import OURS, quiet_third_party
+from vllm_diffusion_plugin.doors.cli.rank_server import discard_prestarted, prestart_for
 from vllm_diffusion_plugin.engine.config import LoadOptions
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -169,37 +170,43 @@ def run_demo(args: argparse.Namespace) -> dict:
 
 
 def _import_diffusers(args: argparse.Namespace) -> str | None:
-    """For ``load`` and ``plan``, import diffusers without what a load never uses (``import_diffusers``) and the
-    DiT classes a local checkpoint names for the components they look at (all of ``model_index.json``'s, or
-    ``--component``; a component folder's ``config.json`` class), each module alone (``model_class``): the
-    skeletons import exactly these anyway -- seconds on a small host --, so the report shows them as ``imports``,
-    not as ``validate``. Problems with the checkpoint are left to validation, which names them. Returns one line
-    naming the extra to install when diffusers (which builds every skeleton) is missing."""
+    """diffusers for the command (``load`` and ``plan``: ``import_for_load``); one line naming the extra to install
+    when diffusers (which builds every skeleton) is missing."""
     try:
-        if args.command not in ("load", "plan"):  # the demos write pipelines with text encoders: diffusers whole
+        if args.command in ("load", "plan"):
+            import_for_load(args.checkpoint, args.components)
+        else:  # the demos write pipelines with text encoders: diffusers whole
             import diffusers  # noqa: F401
-            return None
-        from vllm_diffusion_plugin.engine import session
-
-        session.import_diffusers()
     except ImportError as exc:
         return f"the vllm-diffusion command needs diffusers ({exc}): {CLI_EXTRA_HINT}"
-    folder = Path(args.checkpoint)
+    return None
+
+
+def import_for_load(checkpoint: str, components: list[str] | None) -> None:
+    """Import diffusers without what a load never uses (``import_diffusers``) and the DiT classes a local checkpoint
+    names for the components a load looks at (all of ``model_index.json``'s, or ``components``; a component folder's
+    ``config.json`` class), each module alone (``model_class``): the skeletons import exactly these anyway --
+    seconds on a small host --, so the report shows them as ``imports``, not as ``validate`` (the CLI), and a
+    rank's fork server has them before any rank starts (``rank_imports``). Problems with the checkpoint are left to
+    validation, which names them; ``ImportError`` without diffusers."""
+    from vllm_diffusion_plugin.engine import session
+
+    session.import_diffusers()
+    folder = Path(checkpoint)
     try:
         if (folder / "model_index.json").is_file():
             entries = json.loads((folder / "model_index.json").read_text())
-            entries = [v for k, v in entries.items() if args.components is None or k in args.components]
+            entries = [v for k, v in entries.items() if components is None or k in components]
         else:
             entries = [["diffusers", json.loads((folder / "config.json").read_text()).get("_class_name")]]
     except (OSError, ValueError, AttributeError):
-        return None
+        return
     for value in entries:
         if isinstance(value, list) and len(value) == 2 and isinstance(value[1], str) and session.is_dit_class(*value):
             try:
                 session.model_class(value[1])
             except Exception:  # unknown or broken class: validation reports it
                 pass
-    return None
 
 
 def _process_age() -> float | None:
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         ours.setLevel(level)
+        discard_prestarted()  # a fork server the command started and did not use
 
 
 def _main(argv: list[str] | None) -> int:
@@ -287,6 +295,7 @@ def _main(argv: list[str] | None) -> int:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args = _parser().parse_args(argv)
     quiet_third_party(verbose=args.verbose)
+    prestart_for(args)  # a load on local ranks: their fork server imports beside this process's imports below
     imports_started = time.perf_counter()
     previous = signal.signal(signal.SIGINT, _interrupted_while_importing)
     try:

@@ -1,6 +1,13 @@
-"""Local ranks for the CLI: spawned, watched, stopped together; their errors come back as one line.
+"""Local ranks for the CLI: started, watched, stopped together; their errors come back as one line.
 
-``run_ranks`` starts ``world_size`` processes (``multiprocessing`` spawn: a fresh interpreter each) and waits.
+``run_ranks`` starts ``world_size`` processes and waits. They come from a ``multiprocessing`` fork server
+(``rank_server``): a fresh single-threaded interpreter, started by the launcher before its own checks, that imports
+what a rank needs (torch, the engine, the checkpoint's diffusers classes) once while the launcher checks, and forks
+each rank from there -- a rank starts with them imported instead of paying seconds of imports of its own (on a small
+host, a 2-rank load took ~1.6x a 1-rank one). Where there is no fork server (not Linux/Unix), or one this process
+did not start is already running, each rank is a fresh interpreter (``multiprocessing`` spawn) as before. A rank
+names itself ``vd-rankN`` (Linux ``PR_SET_NAME``: what ``ps -o comm``, ``top`` and ``/proc/PID/comm`` show; its
+command line is the fork server's); the fork server is a child of the launcher, the ranks are its children.
 
 - A rank that raises writes its error as one line (``error_line``) to the work folder and exits 1; the
   launcher then stops the other ranks and raises ``RankError`` with the earliest error written, the same text
@@ -13,9 +20,13 @@
 - The ranks ignore SIGINT (a Ctrl-C at a terminal reaches the whole process group): the launcher alone
   handles it, and any exception in the launcher (``KeyboardInterrupt``, the CLI's SIGTERM exception) stops
   every rank -- SIGTERM, then SIGKILL after a grace period -- before it propagates. A rank also dies with its
-  launcher (Linux ``PR_SET_PDEATHSIG``) should the launcher itself be killed outright.
-- Each rank's temporary files go into its own folder in the work folder (``TMPDIR``), removed with it: a rank
-  killed or stopped leaves none behind.
+  launcher (Linux ``PR_SET_PDEATHSIG``) should the launcher itself be killed outright: its parent is the fork
+  server, which ends once the launcher is gone (a rank drops its end of the server's "alive" pipe), or the
+  launcher itself with spawn. The fork server starts with SIGINT blocked (a Ctrl-C neither interrupts its imports
+  nor reaches a rank before the rank ignores it) and is stopped when the ranks are; it ends with a killed launcher.
+- Each rank's temporary files go into its own folder in the work folder (``TMPDIR`` and ``tempfile.tempdir``, set
+  in the rank), removed with it: a rank killed or stopped leaves none behind. The fork server's go into the work
+  folder too (its imports', its socket).
 - A rank whose thread waits in the kernel for a read a store never answers cannot be ended by any signal (Linux
   waits out a FUSE request its server took): a rank counts as failed once it wrote its error, and ``stop`` leaves a
   rank still there after its SIGKILL, with a warning naming it, so the launcher itself returns.
@@ -29,12 +40,14 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.cli.rank_server import SERVER_ONLY, rank_starter
 
 logger = init_logger(__name__)
 
@@ -65,24 +78,36 @@ def error_line(exc: BaseException) -> str:
 
 
 def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, args: Sequence = (),
-              verbose: bool = False) -> None:
-    """Run ``target(rank, world_size, workdir, *args)`` in ``world_size`` spawned processes; return when all
-    succeeded, raise ``RankError`` when one failed (after stopping the others)."""
-    ctx = multiprocessing.get_context("spawn")
+              verbose: bool = False, context=None) -> float:
+    """Run ``target(rank, world_size, workdir, *args)`` in ``world_size`` processes; return when all succeeded
+    (the seconds the ranks took to start: with a fork server, the wait for the imports it had left), raise
+    ``RankError`` when one failed (after stopping the others). ``context``: the ``multiprocessing`` context of a
+    ``rank_starter`` (started early, its imports done while the caller checked); without one, a fork server
+    importing ``target``'s module is started here and stopped on return."""
+    if context is None:
+        with rank_starter(workdir, preload=[target.__module__]) as started:
+            return run_ranks(target, world_size=world_size, workdir=workdir, args=args, verbose=verbose,
+                             context=started)
     procs: list = []
-    # A Ctrl-C while the ranks are spawned is held, then raised once the launcher can stop them (a SIGINT in that
-    # window was lost and the load ran to its end). Held twice over: blocked in this thread, which the ranks inherit
-    # through exec (they start with SIGINT blocked and ignore it from _rank_entry on), and recorded by a handler,
-    # for a SIGINT the kernel hands to another thread of this process (torch starts one at import) -- where it was
-    # discarded while the handler was SIG_IGN.
+    # a forked rank has the fork server's environment, from its start: it takes this process's, as a spawned one does
+    environ = dict(os.environ) if context.get_start_method() == "forkserver" else None
+    # A Ctrl-C while the ranks are started is held, then raised once the launcher can stop them (a SIGINT in that
+    # window was lost and the load ran to its end). Held twice over: blocked in this thread -- which spawned ranks
+    # inherit through exec and forked ones from the fork server, started with it blocked (they start with SIGINT
+    # blocked and ignore it from _rank_entry on) -- and recorded by a handler, for a SIGINT the kernel hands to
+    # another thread of this process (torch starts one at import) -- where it was discarded while the handler was
+    # SIG_IGN.
     held: list[int] = []
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    started = time.perf_counter()
     try:
         for rank in range(world_size):
-            proc = ctx.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
-                               args=(target, rank, world_size, workdir, tuple(args), verbose, os.getpid()))
-            with _temporary_files_in(workdir / f"tmp-rank{rank}"):
+            tmpdir = workdir / f"tmp-rank{rank}"
+            proc = context.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
+                                   args=(target, rank, world_size, workdir, tuple(args), verbose, os.getpid(),
+                                         str(tmpdir), environ))
+            with _temporary_files_in(tmpdir):
                 proc.start()
             procs.append(proc)
     except BaseException:
@@ -90,6 +115,7 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
+    starting = time.perf_counter() - started
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C pending here is raised; the ranks stopped below
         if held:
@@ -97,13 +123,15 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
         _wait(procs, workdir)
     finally:
         stop(procs)
+    return starting
 
 
 @contextlib.contextmanager
 def _temporary_files_in(folder: Path) -> Iterator[None]:
-    """A rank spawned in this block makes its temporary files in ``folder`` (``TMPDIR``; inside the work folder,
-    which goes with the launcher): a rank killed or stopped leaves none in the user's (seen: third-party packages
-    imported by vLLM make a ``tmp*`` folder at import and remove it only at a clean exit)."""
+    """A process started in this block (a spawned rank; the fork server) makes its temporary files in ``folder``
+    (``TMPDIR``; inside the work folder, which goes with the launcher): a rank killed or stopped leaves none in the
+    user's (seen: third-party packages imported by vLLM make a ``tmp*`` folder at import and remove it only at a
+    clean exit). A rank forked from the fork server has the server's environment: ``_rank_entry`` sets its own."""
     folder.mkdir(exist_ok=True)
     previous = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = str(folder)  # a spawned child takes this process's environment as it starts
@@ -192,7 +220,10 @@ def stop(procs: list) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this process when the launcher dies, however it dies."""
+    """Linux: SIGKILL this process when its parent dies, however it dies, and exit now if the launcher (``parent``)
+    is already gone. The parent is the launcher (spawn) or the fork server, which ends once every end of its
+    "alive" pipe is closed: the launcher's, and this rank's, closed here (a rank needs none: it starts no process
+    from the server)."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -200,14 +231,65 @@ def _die_with_parent(parent: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             return
-    if os.getppid() != parent:  # the launcher died before the call above
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None and os.getppid() != parent:  # forked by the fork server
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None
+    if os.getppid() != parent and not _alive(parent):  # the launcher died before the calls above
         os._exit(1)
 
 
-def _rank_entry(target, rank: int, world_size: int, workdir: Path, args: tuple, verbose: bool, parent: int) -> None:
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _name_rank(rank: int) -> None:
+    """Linux: this process shows as ``vd-rankN`` (``PR_SET_NAME``; 15 bytes at most) in ``ps -o comm``, ``top`` and
+    ``/proc/PID/comm``: a forked rank's command line is the fork server's."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(15, f"vd-rank{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+
+
+def _environment(environ: dict[str, str] | None, tmpdir: str | None) -> None:
+    """A forked rank takes the launcher's environment (``environ``: it has the fork server's, which the server's
+    imports may have added to: those stay) and its temporary files go into ``tmpdir`` (``TMPDIR``, and
+    ``tempfile``'s folder, which an import in the server may have cached)."""
+    if environ is not None:
+        for key in ("PYTHONPATH", "TMPDIR", *SERVER_ONLY):  # set for the server alone
+            if key not in environ:
+                os.environ.pop(key, None)
+        os.environ.update(environ)
+    if tmpdir is not None:
+        os.environ["TMPDIR"] = tmpdir
+        tempfile.tempdir = tmpdir
+
+
+def _rank_entry(target, rank: int, world_size: int, workdir: Path, args: tuple, verbose: bool, parent: int,
+                tmpdir: str | None = None, environ: dict[str, str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # before unblocking: a Ctrl-C held since the start is dropped
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inherited blocked (the launcher's spawn window)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # inherited blocked (the launcher's start window)
+    _name_rank(rank)
     _die_with_parent(parent)
+    _environment(environ, tmpdir)
     try:
         target(rank, world_size, workdir, *args)
     except BaseException as exc:

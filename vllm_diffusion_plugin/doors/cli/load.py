@@ -8,6 +8,7 @@ into a hidden staging folder next to OUT_DIR and renamed into place only after e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from vllm_diffusion_plugin.doors.cli.launcher import run_ranks
 from vllm_diffusion_plugin.doors.cli.noise import quiet_third_party
 from vllm_diffusion_plugin.doors.cli.output import Staging, check_output_dir
 from vllm_diffusion_plugin.doors.cli.planning import PREFLIGHT_HOW, preflight_host
+from vllm_diffusion_plugin.doors.cli.rank_server import RANK_IMPORTS, SERVER_ONLY, rank_starter, take_prestarted
 from vllm_diffusion_plugin.engine.session import (
     HSDPConfig,
     LoadOptions,
@@ -58,33 +60,53 @@ def validate(args: argparse.Namespace, options: LoadOptions, world_size: int) ->
 
 
 def run_load(args: argparse.Namespace, options: LoadOptions) -> dict:
-    """Run ``load`` with ``args``: in this process under torchrun / for one rank, else on spawned ranks. Returns the
-    merged report (rank 0's view with per-rank figures)."""
+    """Run ``load`` with ``args``: in this process under torchrun / for one rank, else on local ranks. Returns the
+    merged report (rank 0's view with per-rank figures). Local ranks come from a fork server started first, which
+    imports what a rank needs while this process checks the input (``rank_server``)."""
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
-    started = time.perf_counter()
-    sources = validate(args, options, world_size)
-    validated = time.perf_counter() - started
-    plan = preflight_host(args, options=options, world_size=world_size, under_torchrun=under_torchrun)
-    preflight = time.perf_counter() - started - validated
-    writes = args.save_fused is not None and (not under_torchrun or os.environ["RANK"] == "0")
-    staging = Staging.create(args.save_fused, flag="--save-fused") if writes else None
-    try:
-        out_dir = staging.path if staging else None
-        if under_torchrun or world_size == 1:
-            merged = rank_main(args, options, out_dir=out_dir, plan=plan)
-        else:
-            with tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-") as tmp:
-                run_ranks(spawned_rank, world_size=world_size, workdir=Path(tmp), verbose=args.verbose,
-                          args=(args, options, out_dir, plan))
-                merged = json.loads((Path(tmp) / "report.json").read_text())
-        if staging:
-            staging.commit(sources, checkpoint=args.checkpoint)
-        merged["seconds"] = {"validate": validated, "preflight": preflight, **merged["seconds"]}
-        return merged
-    finally:
-        if staging:
-            staging.discard()  # no-op after commit
+    local_ranks = not under_torchrun and world_size > 1
+    with contextlib.ExitStack() as stack:
+        started = time.perf_counter()
+        workdir = context = None
+        prestarted = take_prestarted()  # as the command started (``rank_server.prestart_for``)
+        if prestarted is not None:
+            stack.enter_context(prestarted[2])  # closed with this block: the server stopped, the folder removed
+        if local_ranks and prestarted is not None:
+            workdir, context, _ = prestarted
+        elif local_ranks:  # the ranks' work folder; the fork server's files go there too, so it is made first
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-")))
+            context = stack.enter_context(rank_starter(workdir, preload=[RANK_IMPORTS],
+                                                       server_env=rank_server_env(args)))
+        sources = validate(args, options, world_size)
+        validated = time.perf_counter() - started
+        plan = preflight_host(args, options=options, world_size=world_size, under_torchrun=under_torchrun)
+        preflight = time.perf_counter() - started - validated
+        writes = args.save_fused is not None and (not under_torchrun or os.environ["RANK"] == "0")
+        staging = Staging.create(args.save_fused, flag="--save-fused") if writes else None
+        try:
+            out_dir = staging.path if staging else None
+            if workdir is None:
+                merged = rank_main(args, options, out_dir=out_dir, plan=plan)
+            else:
+                starting = run_ranks(spawned_rank, world_size=world_size, workdir=workdir, verbose=args.verbose,
+                                     args=(args, options, out_dir, plan), context=context)
+                merged = json.loads((workdir / "report.json").read_text())
+                # the ranks' imports: the fork server's still under way when the ranks were started, then a rank's own
+                merged["seconds"]["imports"] = starting + merged["seconds"].get("imports", 0.0)
+            if staging:
+                staging.commit(sources, checkpoint=args.checkpoint)
+            merged["seconds"] = {"validate": validated, "preflight": preflight, **merged["seconds"]}
+            return merged
+        finally:
+            if staging:
+                staging.discard()  # no-op after commit
+
+
+def rank_server_env(args: argparse.Namespace) -> dict[str, str]:
+    """What a fork server started for ``args`` imports besides ``RANK_IMPORTS``: the diffusers classes the
+    checkpoint names (``rank_imports``)."""
+    return {SERVER_ONLY[0]: json.dumps({"checkpoint": args.checkpoint, "components": args.components})}
 
 
 def spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Namespace, options: LoadOptions,
