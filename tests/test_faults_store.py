@@ -89,8 +89,8 @@ def test_a_stalled_read_fails_the_load_naming_the_file_and_offset(tiny_wan_dir, 
     mounted = checkpoint / "transformer" / shard.name
     assert f"{mounted} " in errors[0] and "no answer within 5 s (read_timeout_s)" in errors[0], errors[0]
     at_byte = re.search(r" at byte (\d+)", errors[0])
-    if at_byte is None:  # the peer timed out first, opening that file from the stalled store (seen on a busy host)
-        assert f"{mounted} (opening it)" in errors[0], errors[0]
+    if at_byte is None:  # the peer timed out first, opening that file or reading its header from the stalled store
+        assert f"{mounted} (opening it)" in errors[0] or f"{mounted} (reading its header)" in errors[0], errors[0]
     else:
         assert int(at_byte.group(1)) <= stalled["offset"] + stalled["size"], (at_byte.group(1), stalled)
     assert _left_behind(processes, tmp, out) == []
