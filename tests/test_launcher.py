@@ -60,16 +60,16 @@ def test_a_ctrl_c_while_the_ranks_are_spawned_stops_them_even_when_another_threa
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)  # started before the window: SIGINT unblocked there
     other.start()
-    real = launcher._temporary_files_in
+    real = launcher.environment
 
     @contextlib.contextmanager
-    def interrupted_while_spawning(folder):
-        with real(folder):
-            if folder.name == "tmp-rank1":
+    def interrupted_while_spawning(values):
+        with real(values):
+            if values.get("TMPDIR", "").endswith("tmp-rank1"):
                 os.kill(os.getpid(), signal.SIGINT)  # process-directed: the kernel picks a thread not blocking it
             yield
 
-    monkeypatch.setattr(launcher, "_temporary_files_in", interrupted_while_spawning)
+    monkeypatch.setattr(launcher, "environment", interrupted_while_spawning)
     try:
         with pytest.raises(KeyboardInterrupt):
             run_ranks(_to_the_end, world_size=2, workdir=tmp_path)

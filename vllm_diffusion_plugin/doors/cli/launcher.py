@@ -42,12 +42,12 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.cli.rank_server import SERVER_ONLY, rank_starter
+from vllm_diffusion_plugin.doors.cli.rank_server import SERVER_ONLY, environment, rank_starter
 
 logger = init_logger(__name__)
 
@@ -107,8 +107,9 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
             proc = context.Process(target=_rank_entry, name=f"vllm-diffusion-rank{rank}",
                                    args=(target, rank, world_size, workdir, tuple(args), verbose, os.getpid(),
                                          str(tmpdir), environ))
-            with _temporary_files_in(tmpdir):
-                proc.start()
+            tmpdir.mkdir(exist_ok=True)
+            with environment({"TMPDIR": str(tmpdir)}):  # a spawned rank takes it as it starts: its temporary files
+                proc.start()                            # go with the work folder (a forked one sets its own)
             procs.append(proc)
     except BaseException:
         stop(procs)
@@ -124,24 +125,6 @@ def run_ranks(target: Callable[..., None], *, world_size: int, workdir: Path, ar
     finally:
         stop(procs)
     return starting
-
-
-@contextlib.contextmanager
-def _temporary_files_in(folder: Path) -> Iterator[None]:
-    """A process started in this block (a spawned rank; the fork server) makes its temporary files in ``folder``
-    (``TMPDIR``; inside the work folder, which goes with the launcher): a rank killed or stopped leaves none in the
-    user's (seen: third-party packages imported by vLLM make a ``tmp*`` folder at import and remove it only at a
-    clean exit). A rank forked from the fork server has the server's environment: ``_rank_entry`` sets its own."""
-    folder.mkdir(exist_ok=True)
-    previous = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)  # a spawned child takes this process's environment as it starts
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = previous
 
 
 def _wait(procs: list, workdir: Path) -> None:

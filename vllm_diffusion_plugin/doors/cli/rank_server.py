@@ -50,7 +50,7 @@ def rank_starter(workdir: Path, *, preload: Sequence[str] = (), server_env: dict
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the server inherits it through exec
     try:
         folder.mkdir(exist_ok=True)
-        with _variables({"TMPDIR": str(folder), **(server_env or {})}), _import_path_of_this_process():
+        with environment({"TMPDIR": str(folder), **import_path_of_this_process(), **(server_env or {})}):
             server.ensure_running()
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         yield context
@@ -87,8 +87,9 @@ def _short_folder() -> Path:
 
 
 @contextlib.contextmanager
-def _variables(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment for the block (a process started in it inherits them)."""
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment for the block (a process started in it inherits them); what was
+    there before is put back on exit."""
     previous = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -101,21 +102,12 @@ def _variables(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-@contextlib.contextmanager
-def _import_path_of_this_process() -> Iterator[None]:
-    """A process started in this block finds modules where this one does (``PYTHONPATH``: this process's
-    ``sys.path``): the fork server imports the rank's modules before a rank sets its own ``sys.path``, and Python
-    3.11's server ignores the one it is handed -- else a script run from a source folder could load the ranks'
-    code from an installed copy. ``_rank_entry`` restores this process's ``PYTHONPATH``."""
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p == "" else p for p in sys.path)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = previous
+def import_path_of_this_process() -> dict[str, str]:
+    """``PYTHONPATH`` for a process that must find modules where this one does (this process's ``sys.path``): the
+    fork server imports the rank's modules before a rank sets its own ``sys.path``, and Python 3.11's server ignores
+    the one it is handed -- else a script run from a source folder could load the ranks' code from an installed
+    copy. ``_rank_entry`` restores this process's ``PYTHONPATH``."""
+    return {"PYTHONPATH": os.pathsep.join(os.path.abspath(p) if p == "" else p for p in sys.path)}
 
 
 _PRESTARTED: list = []
