@@ -25,7 +25,7 @@ from vllm_diffusion_plugin.doors.cli.launcher import run_ranks
 from vllm_diffusion_plugin.doors.cli.noise import quiet_third_party
 from vllm_diffusion_plugin.doors.cli.output import Staging, check_output_dir
 from vllm_diffusion_plugin.doors.cli.planning import PREFLIGHT_HOW, preflight_host
-from vllm_diffusion_plugin.doors.cli.rank_server import RANK_IMPORTS, SERVER_ONLY, rank_starter, take_prestarted
+from vllm_diffusion_plugin.doors.cli.rank_server import RANK_IMPORTS, classes_of, rank_starter, take_prestarted
 from vllm_diffusion_plugin.engine.session import (
     HSDPConfig,
     LoadOptions,
@@ -77,7 +77,7 @@ def run_load(args: argparse.Namespace, options: LoadOptions) -> dict:
         elif local_ranks:  # the ranks' work folder; the fork server's files go there too, so it is made first
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-diffusion-ranks-")))
             context = stack.enter_context(rank_starter(workdir, preload=[RANK_IMPORTS],
-                                                       server_env=rank_server_env(args)))
+                                                       server_env=classes_of(args.checkpoint, args.components)))
         sources = validate(args, options, world_size)
         validated = time.perf_counter() - started
         plan = preflight_host(args, options=options, world_size=world_size, under_torchrun=under_torchrun)
@@ -101,12 +101,6 @@ def run_load(args: argparse.Namespace, options: LoadOptions) -> dict:
         finally:
             if staging:
                 staging.discard()  # no-op after commit
-
-
-def rank_server_env(args: argparse.Namespace) -> dict[str, str]:
-    """What a fork server started for ``args`` imports besides ``RANK_IMPORTS``: the diffusers classes the
-    checkpoint names (``rank_imports``)."""
-    return {SERVER_ONLY[0]: json.dumps({"checkpoint": args.checkpoint, "components": args.components})}
 
 
 def spawned_rank(rank: int, world_size: int, workdir: Path, args: argparse.Namespace, options: LoadOptions,

@@ -142,8 +142,14 @@ def prestart_for(args) -> None:
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
-    wanted = {"checkpoint": args.checkpoint, "components": args.components} if args.command == "load" else None
-    prestart(preload=[RANK_IMPORTS], server_env={SERVER_ONLY[0]: json.dumps(wanted)} if wanted else None)
+    prestart(preload=[RANK_IMPORTS],
+             server_env=classes_of(args.checkpoint, args.components) if args.command == "load" else None)
+
+
+def classes_of(checkpoint: str, components: list[str] | None) -> dict[str, str]:
+    """The fork server's variables that make it import, besides ``RANK_IMPORTS``, the diffusers classes
+    ``checkpoint`` names for ``components`` (``rank_imports``)."""
+    return {SERVER_ONLY[0]: json.dumps({"checkpoint": checkpoint, "components": components})}
 
 
 def take_prestarted() -> tuple[Path, object, contextlib.ExitStack] | None:
