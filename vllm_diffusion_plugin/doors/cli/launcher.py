@@ -207,13 +207,8 @@ def _die_with_parent(parent: int) -> None:
     is already gone. The parent is the launcher (spawn) or the fork server, which ends once every end of its
     "alive" pipe is closed: the launcher's, and this rank's, closed here (a rank needs none: it starts no process
     from the server)."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
+    if sys.platform.startswith("linux") and not _prctl(1, signal.SIGKILL):  # PR_SET_PDEATHSIG
+        return
     forkserver = sys.modules.get("multiprocessing.forkserver")
     server = getattr(forkserver, "_forkserver", None)
     alive_fd = getattr(server, "_forkserver_alive_fd", None)
@@ -244,12 +239,18 @@ def _name_rank(rank: int) -> None:
     """Linux: this process shows as ``vd-rankN`` (``PR_SET_NAME``; 15 bytes at most) in ``ps -o comm``, ``top`` and
     ``/proc/PID/comm``: a forked rank's command line is the fork server's."""
     if sys.platform.startswith("linux"):
-        try:
-            import ctypes
+        _prctl(15, f"vd-rank{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
-            ctypes.CDLL(None, use_errno=True).prctl(15, f"vd-rank{rank}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
-        except (OSError, AttributeError):
-            pass
+
+def _prctl(option: int, *args) -> bool:
+    """Linux ``prctl(option, *args)`` on this process; False where libc or the call is not there."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(option, *args)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _environment(environ: dict[str, str] | None, tmpdir: str | None) -> None:

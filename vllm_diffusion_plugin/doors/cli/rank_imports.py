@@ -12,14 +12,13 @@ import torch.distributed.fsdp  # noqa: F401
 
 from vllm_diffusion_plugin.doors import cli
 from vllm_diffusion_plugin.doors.cli import load  # noqa: F401
+from vllm_diffusion_plugin.doors.cli.rank_server import CLASSES_VARIABLE
 from vllm_diffusion_plugin.engine import session
-
-VARIABLE = "VD_RANK_IMPORTS"
 
 
 def _named_classes() -> None:
     try:
-        wanted = json.loads(os.environ.get(VARIABLE) or "null")
+        wanted = json.loads(os.environ.get(CLASSES_VARIABLE) or "null")
     except ValueError:
         wanted = None
     if isinstance(wanted, dict) and isinstance(wanted.get("checkpoint"), str):

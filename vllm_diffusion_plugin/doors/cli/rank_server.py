@@ -25,8 +25,12 @@ from pathlib import Path
 
 RANK_IMPORTS = "vllm_diffusion_plugin.doors.cli.rank_imports"
 """The module the ranks' fork server imports: what a rank needs."""
-SERVER_ONLY = ("VD_RANK_IMPORTS",)
+CLASSES_VARIABLE = "VD_RANK_IMPORTS"
+"""The checkpoint and components whose diffusers classes ``rank_imports`` imports (``classes_of``), as JSON."""
+SERVER_ONLY = (CLASSES_VARIABLE,)
 """Variables the fork server is started with for its imports (``rank_imports``), not for the ranks."""
+
+
 @contextlib.contextmanager
 def rank_starter(workdir: Path, *, preload: Sequence[str] = (), server_env: dict[str, str] | None = None) -> Iterator:
     """The ``multiprocessing`` context ``run_ranks`` starts ranks from: a fork server started now (this returns at
@@ -149,7 +153,7 @@ def prestart_for(args) -> None:
 def classes_of(checkpoint: str, components: list[str] | None) -> dict[str, str]:
     """The fork server's variables that make it import, besides ``RANK_IMPORTS``, the diffusers classes
     ``checkpoint`` names for ``components`` (``rank_imports``)."""
-    return {SERVER_ONLY[0]: json.dumps({"checkpoint": checkpoint, "components": components})}
+    return {CLASSES_VARIABLE: json.dumps({"checkpoint": checkpoint, "components": components})}
 
 
 def take_prestarted() -> tuple[Path, object, contextlib.ExitStack] | None:
