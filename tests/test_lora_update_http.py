@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from vllm_diffusion_plugin.doors.omni import lora_policy, lora_routes, patch_lora_routes
+from vllm_diffusion_plugin.doors.omni import lora_policy, lora_routes
 from vllm_diffusion_plugin.doors.omni.lora_policy import RESULT_KEY, WORKER_METHOD
 
 ROUTE = lora_routes.ROUTE
@@ -91,12 +91,12 @@ def test_routes_do_not_exist_unless_dirs_are_set(dirs, monkeypatch):
     for args in (types.SimpleNamespace(load_format="diffusion-hsdp", additional_config={"diffusion_hsdp": {}}),
                  types.SimpleNamespace(load_format="auto", additional_config={})):
         app = FastAPI()
-        assert patch_lora_routes.add_routes(app, args) is False
+        assert lora_routes.add_routes(app, args) is False
         app.state.engine_client = Engine()
         assert send(app, "GET").status_code == 404
         assert send(app, "POST", {"lora_path": []}).status_code == 404
     monkeypatch.setenv("VLLM_DIFFUSION_LORA_UPDATE_DIRS", str(dirs.allowed))  # not our load format: still off
-    assert patch_lora_routes.add_routes(FastAPI(), types.SimpleNamespace(load_format="auto")) is False
+    assert lora_routes.add_routes(FastAPI(), types.SimpleNamespace(load_format="auto")) is False
 
 
 @pytest.mark.parametrize("how", ["additional-config", "env"])
@@ -107,7 +107,7 @@ def test_routes_exist_when_dirs_are_set(dirs, monkeypatch, how):
         monkeypatch.setenv("VLLM_DIFFUSION_LORA_UPDATE_DIRS", os.pathsep.join([str(dirs.allowed), str(dirs.outside)]))
         config = {}
     app, engine = FastAPI(), Engine()
-    assert patch_lora_routes.add_routes(app, types.SimpleNamespace(load_format="diffusion-hsdp",
+    assert lora_routes.add_routes(app, types.SimpleNamespace(load_format="diffusion-hsdp",
                                                                    additional_config=json.dumps(config)))
     app.state.engine_client, app.state.api_server_count = engine, 1
     response = send(app, "GET")
@@ -117,7 +117,7 @@ def test_routes_exist_when_dirs_are_set(dirs, monkeypatch, how):
 
 def test_unknown_option_key_is_still_refused():
     with pytest.raises(ValueError, match="lora_update_dir'"):
-        patch_lora_routes.update_dirs(types.SimpleNamespace(
+        lora_routes.update_dirs(types.SimpleNamespace(
             load_format="diffusion-hsdp", additional_config={"diffusion_hsdp": {"lora_update_dir": "/x"}}))
 
 

@@ -19,6 +19,7 @@ The workers run the update as a control RPC of vllm-omni's diffusion engine (``l
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Callable, Sequence
@@ -27,9 +28,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_diffusion_plugin import envs
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.doors.omni import lora_policy
 from vllm_diffusion_plugin.doors.omni.lora_policy import RESULT_KEY, WORKER_METHOD
+from vllm_diffusion_plugin.doors.omni.serve_options import omni_options
+from vllm_diffusion_plugin.engine.session import LOAD_FORMAT
 
 logger = init_logger(__name__)
 
@@ -142,3 +146,28 @@ class LoraRoutes:
                      "Cause: %s", cause)
         self.stop()
         return error(500, f"{cause}; the previous LoRA set could not be restored: the server stops")
+
+
+def update_dirs(args: Any) -> tuple[str, ...]:
+    """The ``lora_update_dirs`` of a server started with ``args`` (vLLM's parsed command line): empty unless its load
+    format is ours."""
+    if str(getattr(args, "load_format", "") or "").lower() != LOAD_FORMAT:
+        if envs.is_set("VLLM_DIFFUSION_LORA_UPDATE_DIRS"):
+            logger.warning("VLLM_DIFFUSION_LORA_UPDATE_DIRS is set, but this server's load format is not "
+                           "%s: it has no runtime LoRA update", LOAD_FORMAT)
+        return ()
+    additional = getattr(args, "additional_config", None) or {}
+    if isinstance(additional, str):
+        additional = json.loads(additional)
+    return omni_options(additional).lora_update_dirs
+
+
+def add_routes(app: Any, args: Any) -> bool:
+    """``app`` (vllm-omni's FastAPI app) gets the routes when ``args`` enable them; whether it did."""
+    dirs = update_dirs(args)
+    if not dirs:
+        return False
+    app.include_router(LoraRoutes(lora_policy.allowed_dirs(dirs), dirs).router())
+    logger.warning("runtime LoRA update enabled: %s reads LoRA files from %s (lora_update_dirs); anyone who can "
+                   "reach this server can change the LoRAs it serves", ROUTE, ", ".join(dirs))
+    return True

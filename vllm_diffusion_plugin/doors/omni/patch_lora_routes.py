@@ -8,7 +8,7 @@ files may be read from. Unset: no route (404), nothing else changes.
 
 How. ``vllm_omni.entrypoints.openai.api_server.build_openai_app`` (vLLM's ``build_app``, which vllm-omni's server calls
 once to build its FastAPI app) is wrapped: with ``--load-format diffusion-hsdp`` and ``lora_update_dirs`` set, the
-app it returns gets ``lora_routes.LoraRoutes``' router (``GET`` / ``POST /v1/diffusion_hsdp/loras``). The directories
+app it returns gets ``lora_routes.LoraRoutes``' router (``lora_routes.add_routes``) (``GET`` / ``POST /v1/diffusion_hsdp/loras``). The directories
 were already checked before any worker started (``patch_serve_flag``).
 
 Versions. Recognized shape: a module-level ``build_openai_app(args, ...)`` called by ``omni_run_server_worker``
@@ -21,7 +21,6 @@ Remove when vllm-omni offers a runtime update of a fused LoRA set (or a hook to 
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
@@ -47,40 +46,10 @@ def apply(module: Any) -> str:
 def _wrap(original):
     @functools.wraps(original)
     def build_openai_app(args, *rest, **kwargs):
+        from vllm_diffusion_plugin.doors.omni import lora_routes
+
         app = original(args, *rest, **kwargs)
-        add_routes(app, args)
+        lora_routes.add_routes(app, args)
         return app
 
     return build_openai_app
-
-
-def update_dirs(args: Any) -> tuple[str, ...]:
-    """The ``lora_update_dirs`` of a server started with ``args`` (vLLM's parsed command line): empty unless its load
-    format is ours."""
-    from vllm_diffusion_plugin import envs
-    from vllm_diffusion_plugin.doors.omni import serve_options
-    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
-
-    if str(getattr(args, "load_format", "") or "").lower() != LOAD_FORMAT:
-        if envs.is_set("VLLM_DIFFUSION_LORA_UPDATE_DIRS"):
-            logger.warning("VLLM_DIFFUSION_LORA_UPDATE_DIRS is set, but this server's load format is not "
-                           "%s: it has no runtime LoRA update", LOAD_FORMAT)
-        return ()
-    additional = getattr(args, "additional_config", None) or {}
-    if isinstance(additional, str):
-        additional = json.loads(additional)
-    return serve_options.omni_options(additional).lora_update_dirs
-
-
-def add_routes(app: Any, args: Any) -> bool:
-    """``app`` gets the runtime LoRA update's routes when ``args`` enable them; whether it did."""
-    from vllm_diffusion_plugin.doors.omni import lora_policy, lora_routes
-
-    dirs = update_dirs(args)
-    if not dirs:
-        return False
-    routes = lora_routes.LoraRoutes(lora_policy.allowed_dirs(dirs), dirs)
-    app.include_router(routes.router())
-    logger.warning("runtime LoRA update enabled: %s reads LoRA files from %s (lora_update_dirs); anyone who can "
-                   "reach this server can change the LoRAs it serves", lora_routes.ROUTE, ", ".join(dirs))
-    return True

@@ -37,9 +37,12 @@ runner's ``LoadConfig(...)``.
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni import lora_policy, patch_lora_routes, patch_lora_update
 from vllm_diffusion_plugin.doors.omni._patching import (
     UnrecognizedShape,
     is_patched,
@@ -48,6 +51,7 @@ from vllm_diffusion_plugin.doors.omni._patching import (
     require_attr,
     require_params,
 )
+from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
 logger = init_logger(__name__)
 
@@ -84,7 +88,6 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, sta
     """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check;
     ``stage``: the stage's engine arguments they came from (vllm-omni's parallel options among them)."""
     from vllm_diffusion_plugin.doors.omni import preflight, serve_options
-    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
     additional = dict(diffusion_kwargs.get("additional_config") or {})
     ours = isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
@@ -108,8 +111,6 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, sta
 
 
 def _require_worker_units() -> None:
-    import importlib
-
     importlib.import_module(WORKER_MODULE)  # runs the worker-side units here, as in every worker
     require_applied(WORKER_UNITS)
 
@@ -117,11 +118,6 @@ def _require_worker_units() -> None:
 def _require_update_units(dirs) -> None:
     """``lora_update_dirs`` are existing directories, and the units of the runtime LoRA update are applied: the
     workers' method, and the API server's routes when this is the API server (an offline ``Omni(...)`` has none)."""
-    import importlib
-    import sys
-
-    from vllm_diffusion_plugin.doors.omni import lora_policy, patch_lora_routes, patch_lora_update
-
     lora_policy.allowed_dirs(dirs, origin="--additional-config diffusion_hsdp lora_update_dirs")
     importlib.import_module(patch_lora_update.TARGET)
     units = [patch_lora_update.NAME] + ([patch_lora_routes.NAME] if patch_lora_routes.TARGET in sys.modules else [])
