@@ -25,7 +25,7 @@ from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine import platform, preflight, pressure, swap, weights
 from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
 from vllm_diffusion_plugin.engine.errors import DistributedLoadError, PickleRefusedError, StrategyError, WeightLoadError
-from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, delta_tensors, lora_fuser
+from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, lora_fuser
 from vllm_diffusion_plugin.engine.hsdp import HSDPConfig, apply_hsdp, build_mesh
 from vllm_diffusion_plugin.engine.io import integrity
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_dit_class, is_transformer, resolve_checkpoint
@@ -177,8 +177,7 @@ class LoadSession:
             module = module if module is not None else build_component(source, dtype=self.dtype, device="meta")
             prepared = prepare_lora_files(module, files, strict=self.options.lora_strict,
                                           packed_modules=packed_modules, component=source.name)
-        modules = {name for name, _ in module.named_modules()}
-        self.fused.record(source.name, {n for n, _, _ in delta_tensors([p.deltas for p in prepared], modules)}, files)
+        self.fused.record(source.name, swap.tensor_names(prepared, module), files)
         return prepared
 
     def stream_fuser(self, source: ComponentSource, *, dtype: torch.dtype | None = None) -> StreamFuser | None:
@@ -371,8 +370,10 @@ class LoadSession:
                                     dtype=self.dtype)
         report, self.loras = swap.swap_loras(swap.Swap(dits, self.sources, self._stamps, self.fused, self.options,
                                                        self.dtype, self.staging), lora_specs)
-        self.lora_specs = [spec for specs in self.loras.values() for spec in specs]
         return report
+
+    def fused_loras(self) -> list[dict]:  # what swap_loras reports: component, path, scale, sha256, fused_at
+        return self.fused.describe()
 
     def finish(self, *, total_s: float | None = None, names: Iterable[str] | None = None,
                log: logging.Logger | None = None) -> LoadReport:

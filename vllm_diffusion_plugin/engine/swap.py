@@ -7,7 +7,7 @@ exactly and each rank reads just its own rows of it (``io.rows``: one ``pread`` 
 shard). So a swap is the row load (``strategies.rank_local.load_bound_rows``) run again on the touched part of each
 DiT::
 
-    validate: the new files read and checked against each DiT's skeleton, their factors finite, the checkpoint
+    validate: the new files read and checked against each DiT's skeleton (factors finite too), the checkpoint
       unchanged since the load, the peak held against free memory -- every rank agreeing; a refusal here changes
       nothing (:class:`LoraSwapRefused`)
     -> FSDP2's unsharded copies dropped -> per DiT: the touched modules' rows re-read into their shards, the new deltas
@@ -41,13 +41,14 @@ from torch.distributed.fsdp import FSDPModule
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.engine.config import LoadOptions
 from vllm_diffusion_plugin.engine.errors import CheckpointError
-from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, lora_fuser
+from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, delta_tensors, lora_fuser
 from vllm_diffusion_plugin.engine.io import integrity
 from vllm_diffusion_plugin.engine.io.checkpoint import ComponentSource, is_transformer
 from vllm_diffusion_plugin.engine.io.integrity import FileStamp
 from vllm_diffusion_plugin.engine.io.rows import identity_bindings
+from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora
 from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
-from vllm_diffusion_plugin.engine.lora.types import LoraFormatError, NonFiniteLoraError
+from vllm_diffusion_plugin.engine.lora.types import LoraFormatError
 from vllm_diffusion_plugin.engine.memory import host_available, size_text
 from vllm_diffusion_plugin.engine.platform import free_memory
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
@@ -148,6 +149,11 @@ class SwapReport:
         return dataclasses.asdict(self)
 
 
+def tensor_names(prepared: Sequence[PreparedLora], module: nn.Module) -> set[str]:
+    """The checkpoint tensors LoRA files ``prepared`` against ``module`` (its names are checkpoint keys) change."""
+    return {name for name, _, _ in delta_tensors([p.deltas for p in prepared], {n for n, _ in module.named_modules()})}
+
+
 def module_rows(component: str, module: nn.Module, source: ComponentSource, *, device: torch.device,
                 dtype: torch.dtype) -> RowLoad:
     """A diffusers DiT a session loaded itself (any strategy: names are checkpoint keys), as the row load sees it:
@@ -156,9 +162,14 @@ def module_rows(component: str, module: nn.Module, source: ComponentSource, *, d
         raise LoraSwapRefused(f"{component} ({source.folder}) is a pre-quantized FP8 checkpoint loaded through its "
                               f"diffusers class; a LoRA swap re-finishes FP8 rows only where vllm-omni built the "
                               f"layers (--omni with hsdp_weight_load=rank_local): restart with the new set")
+    online = [(name, sub) for name, sub in module.named_modules() if is_online(sub)]
+    if whole := [name for name, sub in online if not getattr(sub, "weight_row_major", False)]:
+        raise LoraSwapRefused(f"{component}'s online-quantized layers ({whole[0]} ...) are in their method's own "
+                              f"layout (quantized whole by hsdp_weight_load=full/broadcast); a swap quantizes rows "
+                              f"again where rank_local laid them out: load with hsdp_weight_load=rank_local to swap "
+                              f"LoRAs, or restart with the new set")
     targets = module.state_dict(keep_vars=True)
-    quantized = [QuantLayer(name, sub.quant_method, tuple(sub.weight.shape), dtype)
-                 for name, sub in module.named_modules() if is_online(sub)]
+    quantized = [QuantLayer(name, sub.quant_method, tuple(sub.weight.shape), dtype) for name, sub in online]
     return RowLoad(component, "", module, identity_bindings(source.tensors, targets), targets, device,
                    quantized=quantized)
 
@@ -175,18 +186,6 @@ def touched(dit: RowLoad, source: ComponentSource, keys: set[str]) -> tuple[Comp
                                quantized=[layer for layer in dit.quantized if layer.module in modules],
                                prequantized=[layer for layer in dit.prequantized if layer.module in modules])
     return dataclasses.replace(source, tensors=tensors), part
-
-
-def check_finite(fuser: StreamFuser) -> None:
-    """Every factor of ``fuser``'s deltas finite, or :class:`NonFiniteLoraError` naming the file and target: a NaN
-    found after the first weight changed would leave a model half old, half new."""
-    for per_file in fuser.deltas:
-        for target, delta in per_file.items():
-            for part in ("A", "B", "bias_delta", "full_delta"):
-                value = getattr(delta, part)
-                if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
-                    raise NonFiniteLoraError(f"{delta.origin or 'a LoRA file'}: {target} {part} "
-                                             f"{tuple(value.shape)} holds NaN or Inf values")
 
 
 def planned_peak(fuser: StreamFuser | None, part: RowLoad, *, chunk_mb: int) -> tuple[int, int]:
@@ -261,8 +260,6 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
             fuser = lora_fuser(source, [(str(s.path), s.scale) for s in assigned[name]], dtype=swap.dtype,
                                strict=options.lora_strict, chunk_mb=options.lora_device_chunk_mb,
                                check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
-            if fuser is not None:
-                check_finite(fuser)
             integrity.check_unchanged(swap.stamps[name], component=name)
             keys = swap.fused.tensors(name) | (fuser.tensor_names() if fuser is not None else set())
             parts[name], fusers[name] = touched(dit, source, keys), fuser
