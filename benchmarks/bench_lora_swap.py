@@ -60,7 +60,9 @@ def ours(pipeline: Path, loras: list[Path], *, nproc: int, env: dict, swaps: lis
     report = json.loads(out)
     return {"wall_s": seconds, "load_s": report["seconds"].get("total"),
             "swaps": [{"total_s": s["seconds"]["total"], "validate_s": s["seconds"]["validate"],
-                       "bytes_read": s["bytes_read"], "modules": s["modules"]} for s in report.get("swaps", [])]}
+                       "bytes_read": s["bytes_read"], "modules": s["modules"], "peak_rss_growth": s["peak_rss_growth"],
+                       "planned": s["planned_host_bytes"] + s["planned_device_bytes"]}
+                      for s in report.get("swaps", [])]}
 
 
 def diffusers_child(pipeline: Path, first: list[Path], second: list[Path]) -> dict:
@@ -160,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
            "diffusers_swap_s": statistics.median(r["swap_s"] for r in runs["diffusers"]),
            "floor_s": statistics.median(r["floor_s"] for r in runs["floor"]),
            "floor_read_s": statistics.median(r["read_s"] for r in runs["floor"])}
+    swaps = [s for r in runs["swap"] for s in r["swaps"]]
+    memory = {"peak_rss_growth_max": max((s["peak_rss_growth"] or 0) for s in swaps),
+              "planned": max(s["planned"] for s in swaps), "bytes_read_per_rank0": swaps[0]["bytes_read"]}
     ratios = {"swap_vs_restart": med["swap_s"] / med["restart_s"], "swap_vs_floor": med["swap_s"] / med["floor_s"],
               "diffusers_vs_swap": med["diffusers_swap_s"] / med["swap_s"]}
     goals = [{"goal": "swap <= 0.1x a restart of the CLI with the new set", "ratio": round(ratios["swap_vs_restart"], 3),
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
               "pass": ratios["swap_vs_floor"] <= 1.5}]
     dit_bytes = sum(f.stat().st_size for name in EXPERTS for f in (pipeline / name).glob("*.safetensors"))
     report = {"pipeline": str(pipeline), "blocks": args.blocks, "nproc": args.nproc, "dit_bytes": dit_bytes,
-              "repeats": args.repeats, "medians": med, "ratios": ratios, "runs": runs, "goals": goals,
+              "repeats": args.repeats, "medians": med, "ratios": ratios, "memory": memory, "runs": runs, "goals": goals,
               "diffusers_drift_elements": runs["diffusers"][-1]["drift_elements"],
               "elements": runs["diffusers"][-1]["elements"]}
     if args.json:
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {name:18s} {value:8.2f} s")
         for name, value in ratios.items():
             print(f"  {name:18s} {value:8.3f}x")
+        print(f"  swap on rank 0: {memory['bytes_read_per_rank0'] / 1e9:.2f} GB re-read, peak RSS +"
+              f"{memory['peak_rss_growth_max'] / 2**20:.0f} MiB (planned {memory['planned'] / 2**20:.0f} MiB)")
         print(f"  diffusers' fuse + unfuse left {report['diffusers_drift_elements']} of {report['elements']} "
               f"elements different from the checkpoint")
         for g in goals:

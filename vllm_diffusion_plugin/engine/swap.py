@@ -49,7 +49,7 @@ from vllm_diffusion_plugin.engine.io.rows import identity_bindings
 from vllm_diffusion_plugin.engine.lora.prepare import PreparedLora
 from vllm_diffusion_plugin.engine.lora.specs import LoraSpec, assign_loras
 from vllm_diffusion_plugin.engine.lora.types import LoraFormatError
-from vllm_diffusion_plugin.engine.memory import host_available, size_text
+from vllm_diffusion_plugin.engine.memory import host_available, reset_peak_rss, size_text, status_memory
 from vllm_diffusion_plugin.engine.platform import free_memory
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
 from vllm_diffusion_plugin.engine.quant.online import QuantLayer, is_online, local_part
@@ -144,6 +144,8 @@ class SwapReport:
     """LoRA targets fused on this rank."""
     planned_host_bytes: int = 0
     planned_device_bytes: int = 0
+    peak_rss_growth: int | None = None
+    """This process's peak RSS during the swap less its RSS before (None where the peak cannot be reset)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -250,6 +252,7 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
     """The swap of the module doc to ``lora_specs`` (assigned to the DiTs as at load) on this rank; every rank calls
     it alike. Returns the report and the new assignment."""
     start, options = time.perf_counter(), swap.options
+    rss_before = status_memory().get("VmRSS", 0) if reset_peak_rss() else None
     fusers: dict[str, StreamFuser | None] = {}
     parts: dict[str, tuple[ComponentSource, RowLoad]] = {}
     report, assigned, error = SwapReport(loras=[]), {}, None
@@ -291,6 +294,8 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
     for name, fuser in fusers.items():
         swap.fused.record(name, fuser.tensor_names() if fuser is not None else set(),
                           [(str(s.path), s.scale) for s in assigned[name]], fused_at)
+    if rss_before is not None:
+        report.peak_rss_growth = status_memory().get("VmHWM", 0) - rss_before
     report.seconds["swap"] = time.perf_counter() - start - report.seconds["validate"]
     report.seconds["total"] = time.perf_counter() - start
     report.loras = swap.fused.describe(list(swap.dits))
