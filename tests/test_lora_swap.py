@@ -258,3 +258,30 @@ def test_cli_swap_lora_with_a_missing_file_fails_before_any_rank_starts(bf16_wan
                      "--swap-lora", str(tmp_path / "nope.safetensors")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"vllm-diffusion: error: --swap-lora: LoRA file {tmp_path / 'nope.safetensors'} does not exist"]
+
+
+def failing_rank_worker(rank: int, world_size: int, checkpoint: str, first: str, second: str) -> str:
+    """Rank 1's read fails mid-swap; every rank must learn that the model is mixed, naming the cause."""
+    from vllm_diffusion_plugin.engine import swap
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+
+    session = LoadSession(LoadOptions(hsdp_weight_load="rank_local"), device=torch.device("cpu"),
+                          dtype=torch.bfloat16, hsdp=HSDPConfig(), lora_specs=[LoraSpec(Path(first))])
+    session.load_all(checkpoint)
+    if rank == 1:
+        def fails(*args, **kwargs):
+            raise OSError("the store stopped answering")
+
+        swap.load_bound_rows = fails
+    try:
+        session.swap_loras([LoraSpec(Path(second))])
+    except LoraSwapFailed as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_failing_mid_swap_fails_the_swap_on_every_rank(uneven):
+    checkpoint, rich, plain = uneven
+    results = run_distributed(failing_rank_worker, 2, args=(checkpoint, rich, plain), timeout_s=300)
+    assert all("the store stopped answering" in r and "do not serve it" in r for r in results), results
+    assert results[0].startswith("LoRA swap failed") and "rank 1: OSError" in results[0]

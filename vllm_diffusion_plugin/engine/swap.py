@@ -276,6 +276,7 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
     if error is not None:
         raise LoraSwapRefused(f"LoRA swap refused, the fused set is unchanged: {error}")
     report.seconds["validate"] = time.perf_counter() - start
+    failure: BaseException | None = None
     try:
         for name, (source, part) in parts.items():
             for sub in part.module.modules():
@@ -287,9 +288,15 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
             report.tensors += len(done.keys)
             report.modules += len({b.target.rpartition(".")[0] for b in part.bindings})
             report.lora_targets += done.lora.targets if done.lora is not None else 0
-    except Exception as exc:
-        raise LoraSwapFailed(f"LoRA swap failed after weights began to change ({type(exc).__name__}: {exc}); the "
-                             f"model holds part of the old set and part of the new: do not serve it") from exc
+    except Exception as exc:  # noqa: BLE001 (told to every rank below: none may serve a mixed model)
+        failure = exc
+    try:  # the swap ends when every rank holds the new set
+        mixed = _agree(None if failure is None else f"{type(failure).__name__}: {failure}")
+    except Exception as exc:  # noqa: BLE001 (a rank gone: the agreement itself failed)
+        failure, mixed = exc, f"{type(exc).__name__}: {exc}"
+    if mixed is not None:
+        raise LoraSwapFailed(f"LoRA swap failed after weights began to change ({mixed}); the model holds part of "
+                             f"the old set and part of the new: do not serve it") from failure
     fused_at = time.time()
     for name, fuser in fusers.items():
         swap.fused.record(name, fuser.tensor_names() if fuser is not None else set(),

@@ -144,6 +144,8 @@ def rank_main(args: argparse.Namespace, options: LoadOptions, *, out_dir: Path |
         swaps = []
         for specs in swap_sets(args):
             with rank_group.collectives("a collective of a LoRA swap", timeout_s=bound):
+                if world_size > 1:
+                    dist.barrier()  # timed from when every rank is there, as a server's ranks get the request
                 swaps.append(session.swap_loras(specs).as_dict())
         if args.save_fused is not None:  # every rank takes part in the gathers; rank 0 writes
             with rank_group.collectives("the all-gather of the sharded parameters for --save-fused", timeout_s=bound):
