@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +52,12 @@ class StreamFuser:
     _replaced: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        for per_file in self.deltas:
-            for target, delta in per_file.items():
-                if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
-                    name = f"{target}.weight" if target in self.modules else target
-                    self._by_tensor.setdefault(name, []).append((delta, "weight"))
-                if delta.bias_delta is not None:
-                    self._by_tensor.setdefault(f"{target}.bias", []).append((delta, "bias"))
+        for name, delta, part in delta_tensors(self.deltas, self.modules):
+            self._by_tensor.setdefault(name, []).append((delta, part))
+
+    def tensor_names(self) -> set[str]:
+        """The checkpoint tensors its deltas change (before the stream consumed any)."""
+        return {name for name, _, _ in delta_tensors(self.deltas, self.modules)}
 
     def fp8_scale_keys(self) -> list[str]:
         """The ``weight_scale`` keys of the FP8 layers a LoRA targets: read before the stream (:meth:`items`)."""
@@ -131,6 +130,18 @@ class StreamFuser:
         if self._by_tensor:
             raise ValueError(f"LoRA targets of {component} not found among its checkpoint tensors: "
                              f"{sorted(self._by_tensor)[:10]}")
+
+
+def delta_tensors(deltas: Iterable[Mapping[str, Any]],
+                  modules: Container[str]) -> Iterator[tuple[str, Any, str]]:
+    """``(checkpoint tensor, delta, "weight" | "bias")`` for every part of every file's deltas (keyed by checkpoint
+    module names; a target that is no module in ``modules`` is a bare parameter), in file order."""
+    for per_file in deltas:
+        for target, delta in per_file.items():
+            if delta.A is not None or delta.full_delta is not None:  # a module's weight, or a bare parameter
+                yield (f"{target}.weight" if target in modules else target), delta, "weight"
+            if delta.bias_delta is not None:
+                yield f"{target}.bias", delta, "bias"
 
 
 def lora_fuser(source: ComponentSource, lora_files: Sequence[tuple[str, float]], *, dtype: torch.dtype, strict: bool,

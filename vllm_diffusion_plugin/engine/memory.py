@@ -137,6 +137,15 @@ def status_memory(pid: int | str = "self") -> dict[str, int]:
     return {key: int(value.split()[0]) * 1024 for key, value in fields}
 
 
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux: write ``5`` to ``/proc/self/clear_refs``); False where refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -306,7 +306,7 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
             continue
         for rank in range(world_size):
             planned, host_peak, device_peak, held_before, gather = [], 0, 0, 0, 0
-            private_peak = private_before = mapped_after = 0
+            private_peak = private_before = mapped_after = swap_factors = swap_transient = 0
             for shape in shapes:
                 sharded = shape.is_dit and world_size > 1
                 cp, host, device, private, held_private, held_mapped = _component_plan(
@@ -322,10 +322,14 @@ def plan_load(checkpoint: str, *, options, components: Sequence[str] | None = No
                 mapped_after += held_mapped
                 if shape.is_dit and sharded:
                     gather = max(gather, first_run_gather(shape))
+                if shape.lora_bytes and cp.transient != "hsdp_broadcast_bucket_mb":  # a swap re-reads rows in place
+                    swap_factors, swap_transient = swap_factors + shape.lora_bytes, max(swap_transient,
+                                                                                        cp.transient_bytes)
             host_peak += 0 if on_device else LOAD_CODE_BYTES
             ranks.append(RankPlan(rank, strategy, runs, tuple(planned), sum(c.bytes_read for c in planned),
                                   host_peak, device_peak if on_device else None, held_before + gather,
-                                  private_peak, private_before + gather, mapped_after))
+                                  private_peak, private_before + gather, mapped_after,
+                                  swap_factors + swap_transient if swap_factors else 0))
     return Plan(str(checkpoint), world_size, layout, device_type, str(dtype).removeprefix("torch."), tuple(ranks),
                 unavailable, host_memory, device_memory, local_world_size)
 

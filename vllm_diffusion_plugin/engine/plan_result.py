@@ -48,6 +48,10 @@ class RankPlan:
     held_mapped: int = 0
     """Clean file pages the loaded modules keep viewing (an unsharded ``full`` component on the host): in use by
     the model, so counted, but once per node (the ranks share them)."""
+    swap_peak: int = 0
+    """What a LoRA swap to a set like the planned one holds beyond the loaded model (``engine.swap.planned_peak``):
+    every DiT's new factors, plus its largest transient (a fusion chunk; under ``rank_local`` one block's rows of the
+    online-quantized layers in the load dtype). 0 without LoRA files."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class Plan:
         return {"runs": rows[0].runs, "bytes_read": max(r.bytes_read for r in rows),
                 "held": max(sum(c.held for c in r.components) for r in rows),
                 "host_peak": max(r.host_peak for r in rows), "device_peak": max(devices) if devices else None,
-                "first_run_peak": max(r.first_run_peak for r in rows),
+                "first_run_peak": max(r.first_run_peak for r in rows), "swap_peak": max(r.swap_peak for r in rows),
                 "worst_rank": max(rows, key=lambda r: (self.host_need(r), self.device_need(r) or 0)).rank,
                 "node_host_need": node, "node_ranks": list(node_ranks), "fits": self.fits(strategy)}
 

@@ -169,4 +169,7 @@ def format_table(merged: dict[str, Any]) -> str:
     for r in merged["ranks"]:
         lines.append(f"{r['rank']:<6}{_size(r['bytes_read']):>12}{_size(r['param_bytes_local']):>14}"
                      f"{_size(r['peak_rss_bytes']):>12}")
+    for i, swap in enumerate(merged.get("swaps", ()), 1):
+        lines.append(f"LoRA swap {i}: {len(swap['loras'])} file(s) fused, {swap['modules']} modules re-read "
+                     f"({_size(swap['bytes_read'])} on rank 0) in {swap['seconds']['total']:.2f} s")
     return "\n".join(lines)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.engine import platform, preflight, pressure, weights
+from vllm_diffusion_plugin.engine import platform, preflight, pressure, swap, weights
 from vllm_diffusion_plugin.engine.config import LOAD_FORMAT, LoadOptions
 from vllm_diffusion_plugin.engine.errors import DistributedLoadError, PickleRefusedError, StrategyError, WeightLoadError
 from vllm_diffusion_plugin.engine.fused_stream import StreamFuser, lora_fuser
@@ -63,13 +63,15 @@ from vllm_diffusion_plugin.engine.strategies.rank_local import (
     row_layers,
     to_row_layout,
 )
+from vllm_diffusion_plugin.engine.swap import LoraSwapFailed, LoraSwapRefused, SwapReport
 from vllm_diffusion_plugin.engine.weights import LoadResult
 
 logger = init_logger(__name__)
 
 __all__ = [  # the face the doors use: the session, its options and results, and what a door hands it
     "LOAD_FORMAT", "ComponentReport", "ComponentSource", "DistributedLoadError", "HSDPConfig", "LoadOptions",
-    "PickleRefusedError", "StrategyError", "process_weights_after_loading", "quantization_config",
+    "LoraSwapFailed", "LoraSwapRefused", "PickleRefusedError", "StrategyError", "SwapReport",
+    "process_weights_after_loading", "quantization_config",
     "LoadSession", "LoadedComponents", "LoraSpec", "RowBinding", "RowLoad", "StreamFuser", "WeightLoadError", "World",
     "accelerator_of", "dist_backend", "is_transformer", "load_components", "resolve_checkpoint",
     "resolve_compute_device", "resolve_target_device", "save_components", "row_wise_methods",
@@ -107,6 +109,8 @@ class LoadSession:
         self.loras: dict[str, list[LoraSpec]] = {}
         self._stamps: dict[str, dict] = {}
         self._staging: dict[torch.device, DeviceStaging | None] = {}
+        self.loaded: LoadedComponents | None = None  # what load_all loaded (not a door's own model)
+        self.fused = swap.FusedSets()
 
     # ---- before the first weight byte ---------------------------------------------------------------------------
     def preflight(self, plan, *, how: str, strategy: str | None = None, host: bool = False, rank: int | None = None,
@@ -171,16 +175,20 @@ class LoadSession:
             return []
         with self.report.phase("lora"):
             module = module if module is not None else build_component(source, dtype=self.dtype, device="meta")
-            return prepare_lora_files(module, files, strict=self.options.lora_strict, packed_modules=packed_modules,
-                                      component=source.name)
+            prepared = prepare_lora_files(module, files, strict=self.options.lora_strict,
+                                          packed_modules=packed_modules, component=source.name)
+        self.fused.record(source.name, swap.tensor_names(prepared, module), files)
+        return prepared
 
     def stream_fuser(self, source: ComponentSource, *, dtype: torch.dtype | None = None) -> StreamFuser | None:
         """The fuser of :meth:`stream` for ``source``'s LoRA files (``fused_stream.lora_fuser``); None without any."""
         options = self.options
         with self.report.phase("lora"):
-            return lora_fuser(source, self.lora_files(source.name), dtype=dtype or self.dtype,
-                              strict=options.lora_strict, chunk_mb=options.lora_device_chunk_mb,
-                              check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
+            fuser = lora_fuser(source, self.lora_files(source.name), dtype=dtype or self.dtype,
+                               strict=options.lora_strict, chunk_mb=options.lora_device_chunk_mb,
+                               check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
+        self.fused.record(source.name, fuser.tensor_names() if fuser else set(), self.lora_files(source.name))
+        return fuser
 
     def component(self, source: ComponentSource) -> ComponentReport:
         """A new entry of the report for ``source``."""
@@ -278,7 +286,7 @@ class LoadSession:
             for source in sources:
                 component_class(source)
         self.mark_baseline()
-        loaded = LoadedComponents({}, {s.name: s for s in sources}, self.report, progress=self.progress)
+        self.loaded = loaded = LoadedComponents({}, {s.name: s for s in sources}, self.report, progress=self.progress)
         with self.report.phase("total"), self.watch(f"rank {self.world.rank}'s load of {checkpoint}"):
             context = self._open(sources)
             for source in sources:
@@ -352,6 +360,20 @@ class LoadSession:
         if done.lora is not None or done.lora_s:
             entry.record_lora(done.lora, done.lora_s)
         return done.keys
+
+    def swap_loras(self, lora_specs: Sequence[LoraSpec], *, dits: Mapping[str, RowLoad] | None = None) -> SwapReport:
+        """After the load: the fused LoRA set of ``dits`` (component -> the ``RowLoad`` its door loaded; default the
+        DiTs of :meth:`load_all`) replaced by ``lora_specs``, exactly (``engine.swap``; every rank calls it alike):
+        :class:`LoraSwapRefused` before any weight changed, :class:`LoraSwapFailed` after."""
+        if dits is None:
+            dits = swap.loaded_rows(self.loaded.modules if self.loaded else {}, self.sources, device=self.device,
+                                    dtype=self.dtype)
+        report, self.loras = swap.swap_loras(swap.Swap(dits, self.sources, self._stamps, self.fused, self.options,
+                                                       self.dtype, self.staging), lora_specs)
+        return report
+
+    def fused_loras(self) -> list[dict]:  # what swap_loras reports: component, path, scale, sha256, fused_at
+        return self.fused.describe()
 
     def finish(self, *, total_s: float | None = None, names: Iterable[str] | None = None,
                log: logging.Logger | None = None) -> LoadReport:

@@ -5,9 +5,9 @@
                             [--device auto|cpu|cuda|npu] [--dtype bfloat16|float16|float32]
                             [--hsdp-weight-load full|broadcast|rank_local] [--read-threads N]
                             [--collective-timeout S] [--read-timeout S]
-                            [--save-fused OUT_DIR]
+                            [--swap-lora SET]... [--save-fused OUT_DIR]
                             [--allow-pickle] [--json] [--verbose]
-    vllm-diffusion plan DIR [the options of load but --save-fused] [--host-memory SIZE] [--device-memory SIZE]
+    vllm-diffusion plan DIR [the options of load but --swap-lora, --save-fused] [--host-memory SIZE] [--device-memory SIZE]
     vllm-diffusion demo [--nproc N] [--json] [--keep DIR] [--verbose]
     vllm-diffusion demo --serve [--nproc 1|2] [--keep DIR]     (the [omni] extra: a real vllm-omni server)
 
@@ -85,6 +85,10 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-fused", type=Path, metavar="OUT_DIR",
                    help="write the loaded components (fused, gathered) as diffusers folders under OUT_DIR; from "
                         "a pipeline folder, OUT_DIR is a complete pipeline (other components hard-linked or copied)")
+    p.add_argument("--swap-lora", action="append", default=[], metavar="SET",
+                   help="after the load, replace the fused LoRA set by SET (repeatable: one swap each, in order; "
+                        "before --save-fused): [COMPONENT=]PATH[@SCALE] entries separated by commas, or 'none'; "
+                        "the touched rows are re-read from the checkpoint, so the result equals a load with SET")
     p.add_argument("--preflight", choices=("refuse", "warn", "off"), default=None,
                    help="before any weight is read, hold each rank's planned peak (`plan`) against this node's "
                         "available host memory (MemAvailable, memory cgroup) and its accelerator's free memory: "

@@ -49,6 +49,10 @@ def validate(args: argparse.Namespace, options: LoadOptions, world_size: int) ->
     HSDPConfig(replicate_size=args.hsdp_replicate_size, shard_size=args.hsdp_shard_size).resolved(world_size)
     if args.save_fused is not None:
         check_output_dir(args.save_fused, flag="--save-fused")
+    for specs in swap_sets(args):
+        for spec in specs:
+            if not spec.path.is_file():
+                raise FileNotFoundError(f"--swap-lora: LoRA file {spec.path} does not exist")
     session = LoadSession(options, device=torch.device("cpu"), dtype=getattr(torch, args.dtype),
                           lora_specs=[LoraSpec.parse(text) for text in args.lora])
     try:  # FP8 checkpoints carried, NVFP4, GGUF, torchao, ... refused by name; the LoRA files assigned
@@ -137,6 +141,12 @@ def rank_main(args: argparse.Namespace, options: LoadOptions, *, out_dir: Path |
     try:
         with rank_group.collectives(f"a collective of the load of {args.checkpoint}", timeout_s=bound):
             loaded = session.load_all(args.checkpoint, components=args.components)
+        swaps = []
+        for specs in swap_sets(args):
+            with rank_group.collectives("a collective of a LoRA swap", timeout_s=bound):
+                if world_size > 1:
+                    dist.barrier()  # timed from when every rank is there, as a server's ranks get the request
+                swaps.append(session.swap_loras(specs).as_dict())
         if args.save_fused is not None:  # every rank takes part in the gathers; rank 0 writes
             with rank_group.collectives("the all-gather of the sharded parameters for --save-fused", timeout_s=bound):
                 save_components(loaded, out_dir)
@@ -146,10 +156,18 @@ def rank_main(args: argparse.Namespace, options: LoadOptions, *, out_dir: Path |
             with rank_group.collectives("the gather of the ranks' load reports", timeout_s=bound):
                 dist.gather_object(loaded.report, gathered, dst=0)
             reports = gathered or reports
-        return merge_ranks(reports)
+        return {**merge_ranks(reports), "swaps": swaps} if swaps else merge_ranks(reports)
     finally:
         if started_dist:
             dist.destroy_process_group()
+
+
+def swap_sets(args: argparse.Namespace) -> list[list[LoraSpec]]:
+    """The LoRA sets of ``--swap-lora``, in order: comma-separated ``[COMPONENT=]PATH[@SCALE]`` entries (``none``: no
+    LoRA), scales multiplied by ``--lora-scale`` as ``--lora`` s are."""
+    return [[] if text.strip().lower() in ("", "none") else
+            [LoraSpec.parse(entry.strip(), default_scale=args.lora_scale) for entry in text.split(",") if entry.strip()]
+            for text in getattr(args, "swap_lora", [])]
 
 
 def _world(world_size: int) -> World:

@@ -108,6 +108,10 @@ def _verdict(plan, *, requested: str) -> list[str]:
     lines.append(f"fits ({limits}): " + ", ".join(f"{s} {'yes' if ok else 'no'}" for s, ok in fits.items()))
     pick = plan.pick()
     lines.append(f"pick: {pick or 'none fits'} (requested: {requested})")
+    swap = plan.summary(requested)
+    if swap is not None and swap["swap_peak"]:
+        lines.append(f"a LoRA swap to a set like this one (--swap-lora): {size_text(swap['swap_peak'])} per rank "
+                     f"beyond the loaded model ({requested})")
     return lines
 
 

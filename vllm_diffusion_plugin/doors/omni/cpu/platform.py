@@ -22,7 +22,6 @@ It is a diffusion-only platform: vllm-omni's autoregressive and generation worke
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 from vllm_diffusion_plugin import envs
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.doors.omni import _patching
-from vllm_diffusion_plugin.engine.memory import status_memory
+from vllm_diffusion_plugin.engine.memory import reset_peak_rss, status_memory
 
 logger = init_logger(__name__)
 
@@ -63,15 +62,6 @@ def peak_rss_bytes() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
-
-
-def reset_peak_rss() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux: write ``5`` to ``/proc/self/clear_refs``)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
 
 
 class CpuOmniPlatform(OmniPlatform, CpuPlatform):
