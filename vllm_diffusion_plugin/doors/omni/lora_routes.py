@@ -9,9 +9,10 @@ Errors answer vLLM's error shape (``{"error": {"message", "type", "code"}}``, as
 message one line: 400 a malformed body, a missing file, a LoRA the engine refused before any weight changed (naming
 the file; the old set still serves); 403 a path outside ``lora_update_dirs`` (``lora_policy``); 409 an update while
 another runs, more than one API server process (the lock is this process's), or a server whose load cannot swap
-(``hsdp_weight_load`` other than ``rank_local``, step execution); 500 a failure after weights began changing: the
-workers fused the old set again (``restored``) -- or could not, and then this server stops (SIGTERM to itself, the
-cause in its log) and its workers refuse every request until it has: it never serves mixed weights.
+(``hsdp_weight_load`` other than ``rank_local``, step execution: the request is fine, the server's state is what
+conflicts); 500 a failure after weights began changing (or workers that did not answer, whose state is unknown): this
+server stops (SIGTERM to itself, the cause in its log) and its workers refuse every request until it has -- it never
+serves mixed weights (``lora_update`` says why it does not swap back).
 
 The workers run the update as a control RPC of vllm-omni's diffusion engine (``lora_update``), between requests.
 """
@@ -132,20 +133,15 @@ class LoraRoutes:
             return JSONResponse({"loras": first["loras"], "seconds": first.get("seconds"),
                                  "report": first.get("report")})
         kind, message = worst.get("kind"), worst.get("error") or "no cause given"
-        if kind == "failed" and not worst.get("restored"):
-            return self._mixed(message)
         if kind == "failed":
-            logger.error("runtime LoRA update failed after weights began changing; the old set was fused again "
-                         "and serves: %s", message)
-            return error(500, f"{message}; the previous LoRA set was fused again and serves")
+            return self._mixed(message)
         return error(KIND_STATUS.get(kind, 500), message)
 
     def _mixed(self, cause: str) -> JSONResponse:
-        logger.error("runtime LoRA update failed and the previous LoRA set could not be fused again: the DiTs may "
-                     "hold mixed weights, so this server stops (its workers refuse every request until then). "
-                     "Cause: %s", cause)
+        logger.error("runtime LoRA update failed after weights began changing: the DiTs may hold mixed weights, so "
+                     "this server stops (its workers refuse every request until then). Cause: %s", cause)
         self.stop()
-        return error(500, f"{cause}; the previous LoRA set could not be restored: the server stops")
+        return error(500, f"{cause}; the DiTs may hold mixed weights: the server stops")
 
 
 def update_dirs(args: Any) -> tuple[str, ...]:

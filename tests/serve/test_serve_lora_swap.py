@@ -1,0 +1,106 @@
+"""Proof in real servers: the runtime LoRA update (``POST /v1/diffusion_hsdp/loras``) of a 2-rank
+``vllm serve DIR --omni --load-format diffusion-hsdp`` server (``hsdp_weight_load=rank_local``, the tiny Wan2.2
+pipeline) serves, after one swap, the same video bytes as a fresh server started with the new set.
+
+Two servers, one at a time (each 60-90 s to ready on a 2-core host):
+
+1. started with one LoRA (``transformer``'s) and ``lora_update_dirs`` = the folder of both LoRAs: a video; ``GET`` the
+   set; a path outside that folder is refused (403) and nothing changes; the swap to both LoRAs (``transformer``'s at
+   0.5, ``transformer_2``'s) answers 200 naming the new set; ``GET`` says so; a video;
+2. started with the new set and no ``lora_update_dirs``: the route does not exist (404); a video.
+
+The swapped server's second video must be byte-identical to the fresh server's, and differ from its own first one
+(the swap changed what it serves). Skipped unless ``VLLM_DIFFUSION_SERVE_PROOF=1``; the figures (ready seconds, swap
+seconds) go to ``lora-swap-summary.json`` in the log folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import serve_proof as sp
+
+CPU, READY_TIMEOUT_S = sp.CPU, sp.READY_TIMEOUT_S
+ROUTE = "/v1/diffusion_hsdp/loras"
+
+pytestmark = [
+    pytest.mark.serve,
+    pytest.mark.skipif(not sp.ENABLED, reason="set VLLM_DIFFUSION_SERVE_PROOF=1 to start real vllm-omni servers"),
+    pytest.mark.timeout(1200),
+]
+
+
+def call(port: int, method: str, body: dict | None = None, *, timeout_s: float = 300.0) -> tuple[int, dict]:
+    """``method ROUTE`` on the server: (HTTP status, JSON answer), 4xx/5xx included."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{ROUTE}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def server_args(lora_path: list[str], **extra) -> tuple[str, ...]:
+    config = {"diffusion_hsdp": {"lora_path": lora_path, "hsdp_weight_load": "rank_local", **extra}}
+    return ("--load-format", "diffusion-hsdp", "--use-hsdp", "--hsdp-shard-size", "2",
+            "--additional-config", json.dumps(config))
+
+
+def test_a_swap_serves_the_bytes_of_a_fresh_server_with_the_new_set(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    ckpt = sp.build_checkpoints(tmp_path / "ckpt", merged=False)
+    folder = ckpt.lora_low.parent  # both LoRAs live under it
+    old = [f"transformer={ckpt.lora_high}"]
+    new = [f"transformer={ckpt.lora_high}@0.5", f"transformer_2={ckpt.lora_low}"]
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(ckpt.lora_low.read_bytes())
+    seen: dict = {}
+
+    def swap_between_videos(port: int, timeout_s: float, log: Path) -> bytes:
+        seen["before"] = sp.request_video(port, timeout_s, log)
+        seen["get_before"] = call(port, "GET")
+        seen["outside"] = call(port, "POST", {"lora_path": [str(outside)]})
+        t0 = time.monotonic()
+        seen["swap"] = call(port, "POST", {"lora_path": new})
+        seen["swap_wall_s"] = time.monotonic() - t0
+        seen["get_after"] = call(port, "GET")
+        return sp.request_video(port, timeout_s, log)
+
+    swapped = sp.serve(sp.ServerSpec("lora-swap", ckpt.original, plugin=True,
+                                     args=server_args(old, lora_update_dirs=[str(folder)])),
+                       logs, request=swap_between_videos, cpu=CPU, ready_timeout_s=READY_TIMEOUT_S)
+
+    def off_then_video(port: int, timeout_s: float, log: Path) -> bytes:
+        seen["fresh_get"] = call(port, "GET")
+        return sp.request_video(port, timeout_s, log)
+
+    fresh = sp.serve(sp.ServerSpec("lora-swap-fresh", ckpt.original, plugin=True, args=server_args(new)), logs,
+                     request=off_then_video, cpu=CPU, ready_timeout_s=READY_TIMEOUT_S)
+
+    status, current = seen["get_before"]
+    assert status == 200 and [(x["component"], x["scale"]) for x in current["loras"]] == [("transformer", 1.0)], current
+    status, refused = seen["outside"]
+    assert status == 403 and "lora_update_dirs" in refused["error"]["message"], refused
+    status, swap = seen["swap"]
+    assert status == 200, swap
+    described = sorted((x["component"], Path(x["path"]).name, x["scale"], len(x["sha256"])) for x in swap["loras"])
+    assert described == [("transformer", ckpt.lora_high.name, 0.5, 64), ("transformer_2", ckpt.lora_low.name, 1.0, 64)]
+    assert seen["get_after"] == (200, {"loras": swap["loras"]})
+    assert seen["fresh_get"][0] == 404  # no lora_update_dirs: no route
+    sp.write_summary(logs / "lora-swap-summary.json", {
+        "ready_s": {"swapped": swapped.ready_s, "fresh": fresh.ready_s}, "swap_s": swap["seconds"],
+        "swap_wall_s": seen["swap_wall_s"], "report": swap["report"]})
+    print(f"lora swap: ready {swapped.ready_s:.1f} s / fresh {fresh.ready_s:.1f} s; swap {swap['seconds']:.2f} s on "
+          f"rank 0 ({seen['swap_wall_s']:.2f} s wall); report {swap['report']}")
+    assert swapped.videos[0] != seen["before"], "the swap changed nothing the server serves"
+    assert swapped.videos[0] == fresh.videos[0], \
+        f"after the swap the server serves other bytes than a fresh server with the new set: " \
+        f"{sp.distance(swapped.videos[0], fresh.videos[0])}"
