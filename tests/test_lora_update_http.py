@@ -1,8 +1,8 @@
 """The runtime LoRA update's HTTP layer (``/v1/diffusion_hsdp/loras``), in process, no model: the routes exist only
 when ``lora_update_dirs`` is set; the path policy (403 without revealing what exists outside, ``..``, symlinks, hard
-links); malformed bodies (400); one update at a time (409); and how each worker answer maps to a status -- a failure
-after weights began changing stops the server. The workers are vllm-omni's ``collective_rpc`` seam, answered here the way
-``lora_update.run`` answers (``tests/serve/test_serve_lora_swap.py`` runs the real thing)."""
+links); malformed bodies (400); one update at a time (409); and how each worker answer maps to a status -- a
+failure after weights began changing stops the server. The workers are vllm-omni's ``collective_rpc`` seam, answered
+here the way ``lora_update.run`` answers (``tests/serve/test_serve_lora_swap.py`` runs the real thing)."""
 
 from __future__ import annotations
 

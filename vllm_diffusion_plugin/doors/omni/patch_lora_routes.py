@@ -8,8 +8,8 @@ files may be read from. Unset: no route (404), nothing else changes.
 
 How. ``vllm_omni.entrypoints.openai.api_server.build_openai_app`` (vLLM's ``build_app``, which vllm-omni's server calls
 once to build its FastAPI app) is wrapped: with ``--load-format diffusion-hsdp`` and ``lora_update_dirs`` set, the
-app it returns gets ``lora_routes.LoraRoutes``' router (``lora_routes.add_routes``) (``GET`` / ``POST /v1/diffusion_hsdp/loras``). The directories
-were already checked before any worker started (``patch_serve_flag``).
+app it returns gets ``lora_routes.LoraRoutes``' router (``GET`` / ``POST /v1/diffusion_hsdp/loras``,
+``lora_routes.add_routes``). The directories were already checked before any worker started (``patch_serve_flag``).
 
 Versions. Recognized shape: a module-level ``build_openai_app(args, ...)`` called by ``omni_run_server_worker``
 (0.30.0, 0.31.0rc1, 0.32.0rc1). Unrecognized: skipped with a warning; a server whose ``lora_update_dirs`` is set then
