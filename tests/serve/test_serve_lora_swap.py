@@ -11,12 +11,13 @@ Two servers, one at a time (each 60-90 s to ready on a 2-core host):
 
 The swapped server's second video must be byte-identical to the fresh server's, and differ from its own first one
 (the swap changed what it serves). Skipped unless ``VLLM_DIFFUSION_SERVE_PROOF=1``; the figures (ready seconds, swap
-seconds) go to ``lora-swap-summary.json`` in the log folder.
+seconds) go to ``summary-lora-swap.json`` under ``$VLLM_DIFFUSION_SERVE_PROOF_DIR/lora-swap/`` (or a tmp dir).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -54,9 +55,13 @@ def server_args(lora_path: list[str], **extra) -> tuple[str, ...]:
 
 
 def test_a_swap_serves_the_bytes_of_a_fresh_server_with_the_new_set(tmp_path):
-    logs = tmp_path / "logs"
-    logs.mkdir()
+    base = os.environ.get("VLLM_DIFFUSION_SERVE_PROOF_DIR")
+    root = Path(base) / "lora-swap" if base else tmp_path
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
     ckpt = sp.build_checkpoints(tmp_path / "ckpt", merged=False)
+    build_s = time.monotonic() - t0
     folder = ckpt.lora_low.parent  # both LoRAs live under it
     old = [f"transformer={ckpt.lora_high}"]
     new = [f"transformer={ckpt.lora_high}@0.5", f"transformer_2={ckpt.lora_low}"]
@@ -74,16 +79,16 @@ def test_a_swap_serves_the_bytes_of_a_fresh_server_with_the_new_set(tmp_path):
         seen["get_after"] = call(port, "GET")
         return sp.request_video(port, timeout_s, log)
 
-    swapped = sp.serve(sp.ServerSpec("lora-swap", ckpt.original, plugin=True,
-                                     args=server_args(old, lora_update_dirs=[str(folder)])),
-                       logs, request=swap_between_videos, cpu=CPU, ready_timeout_s=READY_TIMEOUT_S)
-
     def off_then_video(port: int, timeout_s: float, log: Path) -> bytes:
         seen["fresh_get"] = call(port, "GET")
         return sp.request_video(port, timeout_s, log)
 
-    fresh = sp.serve(sp.ServerSpec("lora-swap-fresh", ckpt.original, plugin=True, args=server_args(new)), logs,
-                     request=off_then_video, cpu=CPU, ready_timeout_s=READY_TIMEOUT_S)
+    with sp.unwind_on_sigterm():  # a stage timeout stops the running server's process group
+        swapped = sp.serve(sp.ServerSpec("lora-swap", ckpt.original, plugin=True,
+                                         args=server_args(old, lora_update_dirs=[str(folder)])),
+                           logs, request=swap_between_videos, cpu=CPU, ready_timeout_s=READY_TIMEOUT_S)
+        fresh = sp.serve(sp.ServerSpec("lora-swap-fresh", ckpt.original, plugin=True, args=server_args(new)), logs,
+                         request=off_then_video, cpu=CPU, ready_timeout_s=READY_TIMEOUT_S)
 
     status, current = seen["get_before"]
     assert status == 200 and [(x["component"], x["scale"]) for x in current["loras"]] == [("transformer", 1.0)], current
@@ -95,9 +100,12 @@ def test_a_swap_serves_the_bytes_of_a_fresh_server_with_the_new_set(tmp_path):
     assert described == [("transformer", ckpt.lora_high.name, 0.5, 64), ("transformer_2", ckpt.lora_low.name, 1.0, 64)]
     assert seen["get_after"] == (200, {"loras": swap["loras"]})
     assert seen["fresh_get"][0] == 404  # no lora_update_dirs: no route
-    sp.write_summary(logs / "lora-swap-summary.json", {
-        "ready_s": {"swapped": swapped.ready_s, "fresh": fresh.ready_s}, "swap_s": swap["seconds"],
-        "swap_wall_s": seen["swap_wall_s"], "report": swap["report"]})
+    sp.write_summary(root / "summary-lora-swap.json", {  # .ci/omni-serve.sh prints every summary*.json
+        "build_s": round(build_s, 1), "stage_s": round(time.monotonic() - t0, 1),
+        "servers": {"lora-swap": {"ready_s": round(swapped.ready_s, 1), "swap_s": round(swap["seconds"], 3),
+                                  "swap_wall_s": round(seen["swap_wall_s"], 3)},
+                    "lora-swap-fresh": {"ready_s": round(fresh.ready_s, 1)}},
+        "report": swap["report"]})
     print(f"lora swap: ready {swapped.ready_s:.1f} s / fresh {fresh.ready_s:.1f} s; swap {swap['seconds']:.2f} s on "
           f"rank 0 ({seen['swap_wall_s']:.2f} s wall); report {swap['report']}")
     assert swapped.videos[0] != seen["before"], "the swap changed nothing the server serves"
