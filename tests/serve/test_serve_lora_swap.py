@@ -5,7 +5,8 @@ pipeline) serves, after one swap, the same video bytes as a fresh server started
 Two servers, one at a time (each 60-90 s to ready on a 2-core host):
 
 1. started with one LoRA (``transformer``'s) and ``lora_update_dirs`` = the folder of both LoRAs: a video; ``GET`` the
-   set; a path outside that folder is refused (403) and nothing changes; the swap to both LoRAs (``transformer``'s at
+   set; a path outside that folder is refused (403), a LoRA of NaNs inside it too (400, by the engine, before any
+   weight changed) and the server still serves the first video's bytes; the swap to both LoRAs (``transformer``'s at
    0.5, ``transformer_2``'s) answers 200 naming the new set; ``GET`` says so; a video;
 2. started with the new set and no ``lora_update_dirs``: the route does not exist (404); a video.
 
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import serve_proof as sp
+import torch
+from safetensors.torch import load_file, save_file
 
 CPU, READY_TIMEOUT_S = sp.CPU, sp.READY_TIMEOUT_S
 ROUTE = "/v1/diffusion_hsdp/loras"
@@ -67,12 +70,17 @@ def test_a_swap_serves_the_bytes_of_a_fresh_server_with_the_new_set(tmp_path):
     new = [f"transformer={ckpt.lora_high}@0.5", f"transformer_2={ckpt.lora_low}"]
     outside = tmp_path / "elsewhere.safetensors"
     outside.write_bytes(ckpt.lora_low.read_bytes())
+    tensors = load_file(ckpt.lora_low)
+    nan = folder / "nan.safetensors"  # inside the allowed folder: refused by the engine, before any weight changes
+    save_file({k: torch.full_like(v, float("nan")) for k, v in tensors.items()}, nan)
     seen: dict = {}
 
     def swap_between_videos(port: int, timeout_s: float, log: Path) -> bytes:
         seen["before"] = sp.request_video(port, timeout_s, log)
         seen["get_before"] = call(port, "GET")
         seen["outside"] = call(port, "POST", {"lora_path": [str(outside)]})
+        seen["nan"] = call(port, "POST", {"lora_path": [f"transformer_2={nan}"]})
+        seen["after_refusals"] = sp.request_video(port, timeout_s, log)
         t0 = time.monotonic()
         seen["swap"] = call(port, "POST", {"lora_path": new})
         seen["swap_wall_s"] = time.monotonic() - t0
@@ -94,6 +102,9 @@ def test_a_swap_serves_the_bytes_of_a_fresh_server_with_the_new_set(tmp_path):
     assert status == 200 and [(x["component"], x["scale"]) for x in current["loras"]] == [("transformer", 1.0)], current
     status, refused = seen["outside"]
     assert status == 403 and "lora_update_dirs" in refused["error"]["message"], refused
+    status, refused = seen["nan"]
+    assert status == 400 and "nan.safetensors" in refused["error"]["message"], refused
+    assert seen["after_refusals"] == seen["before"], "a refused update changed what the server serves"
     status, swap = seen["swap"]
     assert status == 200, swap
     described = sorted((x["component"], Path(x["path"]).name, x["scale"], len(x["sha256"])) for x in swap["loras"])
