@@ -12,8 +12,8 @@ app it returns gets ``lora_routes.LoraRoutes``' router (``GET`` / ``POST /v1/dif
 ``lora_routes.add_routes``). The directories were already checked before any worker started (``patch_serve_flag``).
 
 Versions. Recognized shape: a module-level ``build_openai_app(args, ...)`` called by ``omni_run_server_worker``
-(0.30.0, 0.31.0rc1, 0.32.0rc1). Unrecognized: skipped with a warning; a server whose ``lora_update_dirs`` is set then
-refuses to start (``patch_serve_flag``).
+(run on 0.30.0 and 0.32.0rc1; the same in 0.31.0rc1's source). Unrecognized: skipped with a warning; a server whose
+``lora_update_dirs`` is set then refuses to start (``patch_serve_flag``).
 
 Remove when vllm-omni offers a runtime update of a fused LoRA set (or a hook to add routes).
 """

@@ -10,8 +10,9 @@ model runner serves (what our load left there, ``lora_update.keep``), told wheth
 error dict. Nothing else changes; a worker whose load was not ours answers "unsupported".
 
 Versions. Recognized shape: ``vllm_omni.diffusion.worker.diffusion_worker`` with ``DiffusionWorker`` (its
-``execute_model``) (0.30.0, 0.31.0rc1, 0.32.0rc1). Unrecognized: skipped with a warning; a
-server whose ``lora_update_dirs`` is set then refuses to start (``patch_serve_flag``).
+``execute_model``), its method resolved by name (run on 0.30.0 and 0.32.0rc1; the same in 0.31.0rc1's source).
+Unrecognized: skipped with a warning; a server whose ``lora_update_dirs`` is set then refuses to start
+(``patch_serve_flag``).
 
 Remove when vllm-omni swaps a fused LoRA set of a sharded DiT itself.
 """
