@@ -83,11 +83,14 @@ class FusedFile:
     def of(cls, component: str, path: str | Path, scale: float, fused_at: float) -> FusedFile:
         return cls(component, Path(path).resolve(), scale, FileStamp.of(Path(path)), fused_at)
 
-    def describe(self, hashes: dict[tuple[Path, FileStamp], str]) -> dict[str, Any]:
-        """JSON-able: component, path, scale, sha256 (of the file as fused: None once it changed on disk, with how),
-        fused_at (ISO 8601, UTC). ``hashes``: a cache of digests by file and stamp."""
-        entry = {"component": self.component, "path": str(self.path), "scale": self.scale, "sha256": None,
+    def describe(self, hashes: dict[tuple[Path, FileStamp], str] | None) -> dict[str, Any]:
+        """JSON-able: component, path, scale, fused_at (ISO 8601, UTC) and, given ``hashes`` (a cache of digests by
+        file and stamp), sha256 of the file as fused (None once it changed on disk, saying how)."""
+        entry = {"component": self.component, "path": str(self.path), "scale": self.scale,
                  "fused_at": datetime.fromtimestamp(self.fused_at, UTC).isoformat(timespec="seconds")}
+        if hashes is None:
+            return entry
+        entry["sha256"] = None
         try:
             unchanged = FileStamp.of(self.path) == self.stamp
         except OSError as exc:
@@ -120,9 +123,10 @@ class FusedSets:
     def tensors(self, component: str) -> set[str]:
         return self._sets.get(component, (set(), []))[0]
 
-    def describe(self, components: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """The files of ``components``' sets (default all), DiT by DiT (``FusedFile.describe``)."""
-        return [f.describe(self._hashes) for name, (_, files) in self._sets.items()
+    def describe(self, components: Sequence[str] | None = None, *, sha256: bool = True) -> list[dict[str, Any]]:
+        """The files of ``components``' sets (default all), DiT by DiT (``FusedFile.describe``; ``sha256``: each
+        file hashed once per version, read whole the first time)."""
+        return [f.describe(self._hashes if sha256 else None) for name, (_, files) in self._sets.items()
                 if components is None or name in components for f in files]
 
 
@@ -131,7 +135,7 @@ class SwapReport:
     """What one swap did on this rank."""
 
     loras: list[dict[str, Any]]
-    """The new set (``FusedFile.describe``: the session fills it in)."""
+    """The new set (``FusedFile.describe`` without sha256: ``LoadSession.fused_loras`` hashes the files)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """``validate`` (nothing changed yet), ``swap`` (rows re-read, fused, quantized), ``total``."""
     bytes_read: int = 0
@@ -305,7 +309,7 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
         report.peak_rss_growth = status_memory().get("VmHWM", 0) - rss_before
     report.seconds["swap"] = time.perf_counter() - start - report.seconds["validate"]
     report.seconds["total"] = time.perf_counter() - start
-    report.loras = swap.fused.describe(list(swap.dits))
+    report.loras = swap.fused.describe(list(swap.dits), sha256=False)
     logger.info("LoRA swap: %d modules of %s re-read (%s on this rank, %d tensors) and fused with %d file(s) in "
                 "%.2f s (validate %.2f s)", report.modules, ", ".join(swap.dits), size_text(report.bytes_read),
                 report.tensors, len(report.loras), report.seconds["total"], report.seconds["validate"])
