@@ -1,6 +1,7 @@
 """The env table: every variable parses its default, accepts good values, rejects bad ones by name."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -8,7 +9,8 @@ from vllm_diffusion_plugin import envs
 from vllm_diffusion_plugin.engine.config import LoadOptions
 
 GOOD = {"bool": ("on", True), "int": ("7", 7), "float": ("0.5", 0.5), "str": ("blocks", "blocks"),
-        "list[str]": ("a.safetensors, b.safetensors", ("a.safetensors", "b.safetensors"))}
+        "list[str]": ("a.safetensors, b.safetensors", ("a.safetensors", "b.safetensors")),
+        "list[dir]": (f"/srv/loras{os.pathsep} /tmp/a,b", ("/srv/loras", "/tmp/a,b"))}
 BAD = {"bool": "maybe", "int": "seven", "float": "half"}
 
 

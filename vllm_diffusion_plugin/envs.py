@@ -53,6 +53,10 @@ def _parse_path_list(name: str, raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+def _parse_dir_list(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(os.pathsep) if part.strip())
+
+
 @dataclass(frozen=True)
 class EnvVar:
     """One environment variable: how to parse it, its default and its meaning."""
@@ -91,6 +95,13 @@ ENV_VARS: dict[str, EnvVar] = {
             "VLLM_DIFFUSION_LORA_PATH", "list[str]", (),
             "LoRA files fused at load, separated by ','.",
             _parse_path_list, extra_config_key="lora_path",
+        ),
+        EnvVar(
+            "VLLM_DIFFUSION_LORA_UPDATE_DIRS", "list[dir]", (),
+            "Directories a running vllm serve --omni server may read LoRA files from for the runtime LoRA update "
+            "(POST /v1/diffusion_hsdp/loras), separated by os.pathsep (':' on Linux). Unset: the update is off "
+            "and its routes do not exist.",
+            _parse_dir_list, extra_config_key="lora_update_dirs",
         ),
         EnvVar(
             "VLLM_DIFFUSION_LORA_SCALE", "float", 1.0,

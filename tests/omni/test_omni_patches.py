@@ -51,13 +51,19 @@ def test_patches_wait_for_vllm_omni_imports_and_nothing_without_it():
             "imported yet)", "pending (vllm_omni.diffusion.lora.loader not imported yet)",
             "pending (vllm_omni.config.omni_config not imported yet)",
             "pending (vllm_omni.config.config_factory not imported yet)",
-            "pending (vllm_omni.diffusion.executor.multiproc_executor not imported yet)"}, patch_status()
+            "pending (vllm_omni.diffusion.executor.multiproc_executor not imported yet)",
+            "pending (vllm_omni.diffusion.worker.diffusion_worker not imported yet)",
+            "pending (vllm_omni.entrypoints.openai.api_server not imported yet)"}, patch_status()
         assert not [m for m in sys.modules if m.startswith("vllm_omni")], "apply_patches imported vllm-omni"
         from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader as L
         from vllm_omni.diffusion.lora import loader
         from vllm_omni.config import config_factory, omni_config
         from vllm_omni.diffusion.executor import multiproc_executor
-        assert set(patch_status().values()) == {"applied"}, patch_status()
+        from vllm_omni.diffusion.worker import diffusion_worker
+        status = patch_status()
+        assert status.pop("lora-routes") == "pending (vllm_omni.entrypoints.openai.api_server not imported yet)"
+        assert set(status.values()) == {"applied"}, status
+        assert diffusion_worker.DiffusionWorker.diffusion_hsdp_loras
         before = (L._prepare_weights, L.__init__, L.load_weights, L._process_weights_after_loading,
                   loader._resolve_lora_compute_device, loader._prepare_lora_delta,
                   omni_config.extract_diffusion_stage_config_kwargs,

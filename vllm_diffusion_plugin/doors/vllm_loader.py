@@ -59,6 +59,10 @@ class DiffusionHSDPLoader(compat.base_model_loader()):
             raise StrategyError(f"hsdp_weight_load={self.options.hsdp_weight_load!r} is not available in the vLLM "
                                 f"loader (vLLM builds and loads its model on every rank); use 'full', or "
                                 f"`vllm-diffusion load --hsdp-weight-load` for diffusers checkpoints")
+        if self.options.lora_update_dirs:
+            raise ValueError(f"lora_update_dirs ({', '.join(self.options.lora_update_dirs)}) is read by vllm serve "
+                             f"--omni's API server (the runtime LoRA update); the vLLM loader has no such update: "
+                             f"remove it (or unset VLLM_DIFFUSION_LORA_UPDATE_DIRS)")
         self.lora_specs = [LoraSpec.parse(text, default_scale=self.options.lora_scale)
                            for text in self.options.lora_path]
         for spec in self.lora_specs:

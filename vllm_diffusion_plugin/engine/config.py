@@ -77,6 +77,11 @@ class LoadOptions:
     """Before the first weight byte, each rank's planned peak against its host (shared by the node's ranks) and
     accelerator memory (``engine.preflight``): ``refuse`` a load that cannot fit, ``warn`` and load, or ``off``."""
 
+    lora_update_dirs: tuple[str, ...] = ()
+    """Directories a running ``vllm serve --omni`` server may read LoRA files from for the runtime LoRA update
+    (``POST /v1/diffusion_hsdp/loras``). Empty: the update is off and its routes do not exist. vllm-omni's door only
+    (``doors.omni.lora_routes``); the vLLM loader refuses a value, the CLI has no server."""
+
     extra: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """Keys another vLLM component put into the extra config for its own use (e.g. ``is_draft``)."""
 

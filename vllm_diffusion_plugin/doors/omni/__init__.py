@@ -20,7 +20,11 @@ Units (one module each, documented there: why, how, versions, when to remove):
 - ``patch_default_stage``: the flag kept in the generic diffusion stage vllm-omni builds for a pipeline without
   a deploy YAML (FLUX.1, ...), whose engine arguments otherwise lose ``load_format``;
 - ``patch_worker_death``: a diffusion worker that dies while the workers start (its load, the warm-up) is named in
-  the server's error with how it died (a signal: the cause) before the peers that failed after it.
+  the server's error with how it died (a signal: the cause) before the peers that failed after it;
+- ``patch_lora_update``: the diffusion workers answer the runtime LoRA update (``lora_update``: the fused set swapped
+  between requests);
+- ``patch_lora_routes``: ``/v1/diffusion_hsdp/loras`` in the API server when ``lora_update_dirs`` is set
+  (``lora_routes``, ``lora_policy``).
 
 ``load-format``, ``postprocess``, ``load-path``, ``serve-flag`` and ``default-stage`` are required by the flag:
 when one of them does not recognize the installed vllm-omni and ``--load-format diffusion-hsdp`` is on the command
@@ -33,7 +37,7 @@ import importlib.util
 import sys
 
 PATCH_UNITS = ("patch_load_format", "patch_postprocess", "patch_lora_device", "patch_load_path", "patch_serve_flag",
-               "patch_default_stage", "patch_worker_death")
+               "patch_default_stage", "patch_worker_death", "patch_lora_update", "patch_lora_routes")
 
 
 def apply_patches() -> None:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni.lora_update import keep
 from vllm_diffusion_plugin.doors.omni.patch_load_format import omni_load_options
 from vllm_diffusion_plugin.doors.omni.preflight import check_device
 from vllm_diffusion_plugin.doors.omni.serve_options import (
@@ -179,6 +180,7 @@ def load_dits(loader: Any, model: Any, *, sources=None, stream_online_quant_to_c
     if any(dit.adapter is not None for dit in dits):
         check_fp8_scales_loaded(model)
     mark_fused(loader, model)
+    keep(model, session, strategy=session.report.strategy)  # what a runtime LoRA update asks (it refuses this one)
 
 
 def check_fp8_scales_loaded(model: nn.Module) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
 from vllm_diffusion_plugin.doors.omni._patching import is_patched, mark, require_attr, require_params
+from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
 logger = init_logger(__name__)
 
@@ -73,8 +74,6 @@ def apply(module: Any) -> str:
 
 def uses_diffusion_hsdp(loader: Any) -> bool:
     """Whether ``loader``'s load config asks for our load format."""
-    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
-
     load_format = getattr(getattr(loader, "load_config", None), "load_format", None)
     return isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
 

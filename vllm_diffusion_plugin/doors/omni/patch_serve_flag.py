@@ -19,7 +19,9 @@ offline path import it from this module at call time) is wrapped. When the stage
 2. vllm-omni's diffusion loader module is imported here and the worker-side units (``load-format``,
    ``postprocess``, ``load-path``) must be applied -- the same vllm-omni is installed for the workers, so a
    shape they would not recognize stops the server now (:class:`_patching.LoadFormatUnavailable`);
-3. ``additional_config["diffusion_hsdp_load_format"] = "diffusion-hsdp"`` is added to the returned fields;
+3. with ``lora_update_dirs`` (the runtime LoRA update): each is an existing directory, and the units that serve the
+   update (``lora-update`` in the workers, ``lora-routes`` in the API server) are applied, else the server stops;
+4. ``additional_config["diffusion_hsdp_load_format"] = "diffusion-hsdp"`` is added to the returned fields;
    ``patch_load_path`` reads it in each worker and gives vllm-omni's loader a load config with our format.
 
 ``diffusion_hsdp`` options without the flag are an error (they would otherwise be ignored). Any other load
@@ -35,9 +37,12 @@ runner's ``LoadConfig(...)``.
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from typing import Any
 
 from vllm_diffusion_plugin._logging import init_logger
+from vllm_diffusion_plugin.doors.omni import lora_policy, patch_lora_routes, patch_lora_update
 from vllm_diffusion_plugin.doors.omni._patching import (
     UnrecognizedShape,
     is_patched,
@@ -46,6 +51,7 @@ from vllm_diffusion_plugin.doors.omni._patching import (
     require_attr,
     require_params,
 )
+from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
 logger = init_logger(__name__)
 
@@ -82,7 +88,6 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, sta
     """``diffusion_kwargs`` (``OmniDiffusionConfig`` fields) with our load format carried, after every check;
     ``stage``: the stage's engine arguments they came from (vllm-omni's parallel options among them)."""
     from vllm_diffusion_plugin.doors.omni import preflight, serve_options
-    from vllm_diffusion_plugin.engine.config import LOAD_FORMAT
 
     additional = dict(diffusion_kwargs.get("additional_config") or {})
     ours = isinstance(load_format, str) and load_format.lower() == LOAD_FORMAT
@@ -96,6 +101,8 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, sta
     serve_options.check_lora_files(options, diffusion_kwargs)
     preflight.check_host(options, {**dict(stage or {}), **diffusion_kwargs})  # the node's host, before any worker
     _require_worker_units()
+    if options.lora_update_dirs:
+        _require_update_units(options.lora_update_dirs)
     additional[serve_options.CARRIED_KEY] = LOAD_FORMAT
     logger.info("--load-format %s: carried to vllm-omni's diffusion workers (hsdp_weight_load=%s, %d LoRA "
                 "file(s))", LOAD_FORMAT, serve_options.weight_load_strategy(options, diffusion_kwargs),
@@ -104,7 +111,14 @@ def carry_load_format(load_format: Any, diffusion_kwargs: dict[str, Any], *, sta
 
 
 def _require_worker_units() -> None:
-    import importlib
-
     importlib.import_module(WORKER_MODULE)  # runs the worker-side units here, as in every worker
     require_applied(WORKER_UNITS)
+
+
+def _require_update_units(dirs) -> None:
+    """``lora_update_dirs`` are existing directories, and the units of the runtime LoRA update are applied: the
+    workers' method, and the API server's routes when this is the API server (an offline ``Omni(...)`` has none)."""
+    lora_policy.allowed_dirs(dirs, origin="--additional-config diffusion_hsdp lora_update_dirs")
+    importlib.import_module(patch_lora_update.TARGET)
+    units = [patch_lora_update.NAME] + ([patch_lora_routes.NAME] if patch_lora_routes.TARGET in sys.modules else [])
+    require_applied(units)

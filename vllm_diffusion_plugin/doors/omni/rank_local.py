@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_diffusion_plugin._logging import init_logger
-from vllm_diffusion_plugin.doors.omni import load_path
+from vllm_diffusion_plugin.doors.omni import load_path, lora_update
 from vllm_diffusion_plugin.engine.session import (
     DequantizedBinding,
     DistributedLoadError,
@@ -336,12 +336,15 @@ def load_model(loader: Any, session: Any, *, target_device: torch.device | None,
                 module.get_buffer(name).copy_(value)
     _memory("sharded on meta, local shards allocated")
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    loaded_rows = {}
     for dit in dits:
         quantized, prequantized = layers[dit.component]
-        rows = RowLoad(dit.component, dit.prefix, modules[dit.component], bindings[dit.component], targets, device,
-                       quantized=quantized, prequantized=prequantized)
+        rows = loaded_rows[dit.component] = RowLoad(dit.component, dit.prefix, modules[dit.component],
+                                                    bindings[dit.component], targets, device, quantized=quantized,
+                                                    prequantized=prequantized)
         session.load_rows(dit.source, entry=dit.report, rows=rows, fuser=dit.fuser)
         _memory(f"{dit.component} read and fused")
+    lora_update.keep(model, session, strategy="rank_local", rows=loaded_rows)  # a runtime LoRA update re-reads them
     on_meta = [n for n, t in targets.items() if any(n.startswith(d.prefix) for d in dits)
                and (t.to_local() if isinstance(t, DTensor) else t).is_meta]
     if on_meta:
