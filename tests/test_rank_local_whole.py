@@ -1,0 +1,145 @@
+"""``hsdp_weight_load=rank_local`` with online quant methods that declare no row protocol (issue 50), on real gloo ranks.
+
+Such a method finishes a layer whole in its own ``process_weights_after_loading`` (vLLM's ``fp8``: one scale over
+stacked shards, the weight transposed for ``_scaled_mm``). ``rank_local`` gathers each layer's rows from the ranks
+of its shard group into a whole transient layer, runs the method's own post-processing on it and keeps this rank's
+dim-0 shard of every resulting parameter, as ``fully_shard`` cuts it (``engine.quant.whole``). So every rank's
+parameters must be bit-identical to ``full``'s shard on the same mesh (``full``: the whole layer processed, then
+sharded), with two stand-ins (``testing.online_quant``): the pure-torch fp8 method with its row protocol switched
+off, and one that requantizes stacked shards to their largest scale and stores the weight transposed. Two LoRA
+files are fused first; each rank still reads only its rows. Before this path, both were refused by name
+(``RowQuantError``: "does not declare how").
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_distributed_load import write_rich_lora, write_uneven_wan
+
+STAND_INS = ("rows-off", "stacked-transposed")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory) -> tuple[str, list]:
+    import diffusers
+
+    from vllm_diffusion_plugin.tiny.models import write_tiny_lora
+
+    root = write_uneven_wan(tmp_path_factory.mktemp("uneven-wan-whole"))
+    rich = write_rich_lora(root.parent / "rich_lora.safetensors", root)
+    model = diffusers.WanTransformer3DModel.from_pretrained(root / "transformer")
+    other = write_tiny_lora(root.parent / "second_lora.safetensors", model, seed=9,
+                            targets=("to_k", "to_out.0", "ffn.net.2"))
+    # two files into transformer (the second at 0.5), the rich one into transformer_2
+    return str(root), [(str(rich), 1.0, "transformer"), (str(other), 0.5, "transformer"),
+                       (str(rich), 0.7, "transformer_2")]
+
+
+@pytest.fixture(scope="module")
+def qwen_image(tmp_path_factory) -> tuple[str, list]:
+    from vllm_diffusion_plugin.tiny.models import build_tiny_model, write_tiny_lora, write_tiny_pipeline
+
+    root = write_tiny_pipeline(tmp_path_factory.mktemp("qwen-image-whole"), "qwen-image", dtype=torch.bfloat16)
+    model = build_tiny_model("qwen-image")
+    first = write_tiny_lora(root.parent / "qwen_lora.safetensors", model, seed=4,
+                            targets=("to_q", "to_k", "to_v", "add_k_proj", "img_mlp.net.0.proj"))
+    second = write_tiny_lora(root.parent / "qwen_lora_2.safetensors", model, seed=6,
+                             targets=("to_q", "add_v_proj", "txt_mlp.net.2"))
+    return str(root), [(str(first), 1.0, None), (str(second), 0.5, None)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole_worker(rank: int, world_size: int, checkpoint: str, loras: list, stand_in: str, replicate: int = 1) -> dict:
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.lora.specs import LoraSpec
+    from vllm_diffusion_plugin.engine.plan import plan_load
+    from vllm_diffusion_plugin.engine.session import load_components
+    from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
+
+    quantization = functools.partial(attach_online_quant, rows=False) if stand_in == "rows-off" else \
+        functools.partial(attach_online_quant, stacked=True)
+    specs = [LoraSpec(Path(path), scale, component) for path, scale, component in loras]
+    common = dict(device=torch.device("cpu"), dtype=torch.bfloat16, lora_specs=specs, quantization=quantization,
+                  hsdp=HSDPConfig(replicate_size=replicate))
+    ref = load_components(checkpoint, options=LoadOptions(hsdp_weight_load="full"), **common)
+    got = load_components(checkpoint, options=LoadOptions(hsdp_weight_load="rank_local"), **common)
+    planned = plan_load(checkpoint, options=LoadOptions(), lora_specs=specs, world_size=world_size,
+                        hsdp=HSDPConfig(replicate_size=replicate), dtype=torch.bfloat16, quantization=quantization)
+    plan_rows = {c.name: c for r in planned.ranks if r.strategy == "rank_local" and r.rank == rank
+                 for c in r.components}
+    mismatches, fp8, transposed, checked = [], 0, 0, 0
+    for name, module in got.modules.items():
+        whole = ref.modules[name]
+        want_params = dict(whole.named_parameters())
+        mine = dict(module.named_parameters())
+        if sorted(want_params) != sorted(mine):
+            mismatches.append(f"{name}: parameters {sorted(set(want_params) ^ set(mine))[:6]}")
+        for pname, param in mine.items():
+            want = _local(want_params[pname]).detach()
+            local = _local(param).detach()
+            checked += 1
+            fp8 += local.dtype == torch.float8_e4m3fn
+            owner = module.get_submodule(pname.rsplit(".", 1)[0])
+            if pname.endswith(".weight") and local.dtype == torch.float8_e4m3fn and param.shape[0] == owner.in_features \
+                    and owner.in_features != owner.out_features:
+                transposed += 1
+            if local.dtype != want.dtype or local.shape != want.shape or not torch.equal(_bits(local), _bits(want)):
+                mismatches.append(f"{name}.{pname} {tuple(local.shape)} {local.dtype} vs {tuple(want.shape)} "
+                                  f"{want.dtype}")
+    report = got.report.to_dict()
+    return {"mismatches": mismatches, "fp8": fp8, "transposed": transposed, "checked": checked,
+            "bytes_read": {c["name"]: c["bytes_read"] for c in report["components"]},
+            "total_bytes": {n: s.total_bytes for n, s in got.sources.items()},
+            "quant_path": {c["name"]: c["quant_path"] for c in report["components"]},
+            "lora_keys_fused": (report["lora_keys_fused"], ref.report.to_dict()["lora_keys_fused"]),
+            "plan": {n: (c.bytes_read, c.transient, c.transient_bytes) for n, c in plan_rows.items()}}
+
+
+def check(results: list[dict], shards: int, stand_in: str) -> None:
+    for rank, r in enumerate(results):
+        what = f"{stand_in}, rank {rank} of {len(results)}"
+        assert r["fp8"] > 0 and r["checked"] > r["fp8"], (what, r["fp8"], r["checked"])
+        assert not r["mismatches"], f"{what}: not bit-identical to full's shard: {r['mismatches'][:8]}"
+        if stand_in == "stacked-transposed":
+            assert r["transposed"] > 0, what  # the [in, out] layout reached FSDP2, as full's
+        assert r["lora_keys_fused"][0] == r["lora_keys_fused"][1] > 0, (what, r["lora_keys_fused"])
+        assert set(r["quant_path"].values()) == {"layer-whole"}, (what, r["quant_path"])
+        for name, read in r["bytes_read"].items():
+            total = r["total_bytes"][name]
+            print(f"\n[bytes read] {what} {name}: {read} of {total} ({read * shards / total:.3f} x 1/S)", flush=True)
+            assert 0 < read <= 1.05 * total / shards, (what, name, read, total / shards)
+            planned_read, transient, transient_bytes = r["plan"][name]
+            assert planned_read == read, (what, name, planned_read, read)
+            assert transient == "quantization" and transient_bytes > 0, (what, name, transient)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("stand_in", STAND_INS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_wan_rank_local_layer_whole_bit_identical_to_fulls_shard(wan, world, stand_in):
+    checkpoint, loras = wan
+    check(run_distributed(whole_worker, world, args=(checkpoint, loras, stand_in), timeout_s=300), world, stand_in)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("stand_in", STAND_INS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen_image_rank_local_layer_whole_bit_identical_to_fulls_shard(qwen_image, world, stand_in):
+    checkpoint, loras = qwen_image
+    check(run_distributed(whole_worker, world, args=(checkpoint, loras, stand_in), timeout_s=300), world, stand_in)
