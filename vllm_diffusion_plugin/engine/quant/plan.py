@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import nn
 
 from vllm_diffusion_plugin.engine.hsdp import select_blocks
+from vllm_diffusion_plugin.engine.io.rows import shard_rows
 from vllm_diffusion_plugin.engine.quant.fp8 import CHUNK_ELEMENTS
 from vllm_diffusion_plugin.engine.quant.layer import Fp8Linear, Fp8RowMethod
 
@@ -61,6 +62,42 @@ def quantized_bytes(quantized: Mapping[str, tuple[int, int, int, bool, int]],
         largest = max(largest, qbytes)
         chunk = max(chunk, quantize_chunk_bytes(numel * mine // final))
     transient = max(per_block.values(), default=0) + chunk if rank_local else 0
+    return saved, transient, largest
+
+
+def whole_layers(layers: Sequence, block_names: Sequence[str]) -> dict[str, tuple]:
+    """Layer gathered whole (``quant.whole.WholeLayer``) -> (its read inputs' keys, its changed or added outputs by
+    key (``Layout``), the index of its FSDP block in ``block_names``, its inputs' whole bytes, its outputs')."""
+    out = {}
+    for layer in layers:
+        block = next((i for i, n in enumerate(block_names) if layer.module.startswith(f"{n}.")), len(block_names))
+        changed = {f"{layer.module}.{n}": lay for n, lay in layer.outputs.items() if layer.inputs.get(n) != lay}
+        out[layer.module] = (layer.read, changed, block, sum(lay.nbytes for lay in layer.inputs.values()),
+                             sum(lay.nbytes for lay in layer.outputs.values()))
+    return out
+
+
+def whole_bytes(whole: Mapping[str, tuple], local_of: Mapping[str, int], *, shard: tuple[int, int] | None,
+                rank_local: bool) -> tuple[int, int, int]:
+    """``(bytes the processed layers hold less than their load-dtype inputs, rank_local's transient, the largest
+    processed layer)`` for one component on one rank (``quant.whole``). ``whole``: :func:`whole_layers`; ``local_of``:
+    this rank's bytes of each checkpoint tensor in the load dtype; ``shard``: ``(shard size, this rank's index)`` when
+    sharded (each output's rows split as ``fully_shard`` cuts them; 0-dim ones whole). rank_local's transient: the
+    largest block's local rows of the read inputs, plus one layer whole in the load dtype and its processed form."""
+    saved, per_block, layer_peak, largest = 0, {}, 0, 0
+    for reads, changed, block, inputs, outputs in whole.values():
+        mine = sum(local_of.get(key, 0) for key in reads)
+        kept = 0
+        for lay in changed.values():
+            if shard is None or not lay.shape or not lay.dtype.is_floating_point:
+                kept += lay.nbytes
+            else:
+                start, stop = shard_rows(lay.shape[0], size=shard[0], index=shard[1])
+                kept += lay.nbytes // max(1, lay.shape[0]) * (stop - start)
+        saved += mine - kept
+        per_block[block] = per_block.get(block, 0) + mine
+        layer_peak, largest = max(layer_peak, inputs + outputs), max(largest, outputs)
+    transient = max(per_block.values(), default=0) + layer_peak if rank_local and whole else 0
     return saved, transient, largest
 
 
