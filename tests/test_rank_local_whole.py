@@ -14,6 +14,7 @@ files are fused first; each rank still reads only its rows. Before this path, bo
 from __future__ import annotations
 
 import functools
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,85 @@ def test_wan_rank_local_layer_whole_bit_identical_to_fulls_shard(wan, world, sta
 def test_qwen_image_rank_local_layer_whole_bit_identical_to_fulls_shard(qwen_image, world, stand_in):
     checkpoint, loras = qwen_image
     check(run_distributed(whole_worker, world, args=(checkpoint, loras, stand_in), timeout_s=300), world, stand_in)
+
+
+# ---- single process: the layout probed before sharding, the plan ----------------------------------------------
+class _ItemMethod:
+    """An online method whose post-processing cannot run on ``meta`` (it reads a value: ``.item()``)."""
+
+    uses_meta_device = True
+
+    def process_weights_after_loading(self, layer) -> None:
+        scale = layer.weight.abs().amax().item() / 448 or 1.0
+        layer.weight = torch.nn.Parameter((layer.weight / scale).to(torch.float8_e4m3fn).t(), requires_grad=False)
+        layer.weight_scale = torch.nn.Parameter(torch.tensor(scale), requires_grad=False)
+        layer.processed_by_item_method = True
+
+
+def _wan_on_meta():
+    import diffusers
+
+    from vllm_diffusion_plugin.tiny.models import TINY_CONFIGS
+
+    with torch.device("meta"):
+        return diffusers.WanTransformer3DModel(**TINY_CONFIGS["wan"])
+
+
+def test_layout_is_probed_on_meta_and_laid_out_contiguous_before_sharding():
+    from vllm_diffusion_plugin.engine.quant.online import find_layers
+    from vllm_diffusion_plugin.engine.quant.whole import Layout, find_whole_layers, to_whole_layout
+    from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
+
+    module = _wan_on_meta()
+    attach_online_quant(module, stacked=True)
+    assert find_layers(module, others="skip") == []
+    layers = find_whole_layers(module)
+    proj = module.blocks[0].ffn.net[0].proj
+    layer = next(x for x in layers if x.module == "blocks.0.ffn.net.0.proj")
+    assert layer.outputs == {"weight": Layout((proj.in_features, proj.out_features), torch.float8_e4m3fn),
+                             "bias": Layout((proj.out_features,), torch.float32),
+                             "weight_scale": Layout((), torch.float32)}
+    assert layer.read == ("blocks.0.ffn.net.0.proj.weight",) and layer.added == ("blocks.0.ffn.net.0.proj.weight_scale",)
+    weight = proj.weight
+    weight.weight_loader = loader = object()
+    to_whole_layout(module, layers)
+    assert proj.weight is weight and weight.weight_loader is loader  # the same Parameter, its attributes kept
+    assert weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and weight.is_meta
+    assert tuple(weight.shape) == (proj.in_features, proj.out_features) and proj.weight_scale.shape == ()
+    assert not hasattr(proj, "_already_called_process_weights_after_loading")  # the probe ran on a copy
+
+
+def test_a_method_that_cannot_run_on_meta_is_probed_once_on_a_zero_filled_layer():
+    from vllm_diffusion_plugin.engine.quant.whole import Layout, find_whole_layers
+
+    module = _wan_on_meta()
+    for name in ("blocks.0.attn1.to_q", "blocks.1.attn1.to_q"):
+        module.get_submodule(name).quant_method = _ItemMethod()
+    layers = find_whole_layers(module, device="cpu")
+    assert [x.module for x in layers] == ["blocks.0.attn1.to_q", "blocks.1.attn1.to_q"]
+    dim = module.blocks[0].attn1.to_q.in_features
+    assert layers[0].outputs["weight"] == Layout((dim, dim), torch.float8_e4m3fn)
+    assert not hasattr(module.blocks[0].attn1.to_q, "processed_by_item_method")
+
+
+def test_vllms_fp8_is_planned_layer_whole_with_its_transient():
+    from vllm_diffusion_plugin.engine.config import LoadOptions
+    from vllm_diffusion_plugin.engine.hsdp import HSDPConfig
+    from vllm_diffusion_plugin.engine.plan import plan_load
+    from vllm_diffusion_plugin.engine.quant.plan import online_fp8_hook
+    from vllm_diffusion_plugin.tiny.models import write_tiny_pipeline
+
+    root = write_tiny_pipeline(Path(tempfile.mkdtemp(prefix="plan-whole-")), "wan", dtype=torch.bfloat16)
+    plans = {method: plan_load(str(root), options=LoadOptions(), world_size=2, hsdp=HSDPConfig(),
+                               dtype=torch.bfloat16, quantization=online_fp8_hook(method))
+             for method in ("fp8", "torch_fp8")}
+    for method, plan in plans.items():
+        mine = next(r for r in plan.ranks if r.strategy == "rank_local" and r.rank == 0)
+        dit = next(c for c in mine.components if c.name == "transformer")
+        assert dit.transient == "quantization" and dit.transient_bytes > 0, (method, dit)
+    whole = next(c for r in plans["fp8"].ranks if r.strategy == "rank_local" for c in r.components)
+    rows = next(c for r in plans["torch_fp8"].ranks if r.strategy == "rank_local" for c in r.components)
+    largest = max(m.weight.numel() for n, m in _wan_on_meta().named_modules()
+                  if isinstance(m, torch.nn.Linear) and n.startswith("blocks."))
+    assert whole.transient_bytes >= 3 * largest  # the largest layer whole in bf16 and its fp8 form, beside the rows
+    assert abs(whole.held - rows.held) <= 0.01 * rows.held  # fp8 + one scale per layer either way

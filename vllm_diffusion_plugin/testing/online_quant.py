@@ -20,7 +20,7 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from vllm.model_executor.model_loader.reload import layerwise
 
-from vllm_diffusion_plugin.engine.quant.fp8 import FP8  # noqa: F401 (re-exported for tests)
+from vllm_diffusion_plugin.engine.quant.fp8 import FP8
 from vllm_diffusion_plugin.engine.quant.layer import Fp8Linear, Fp8RowMethod
 from vllm_diffusion_plugin.engine.quant.online import ROW_WISE_METHODS
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from vllm_diffusion_plugin.engine.hsdp import select_blocks
@@ -101,26 +102,42 @@ def whole_bytes(whole: Mapping[str, tuple], local_of: Mapping[str, int], *, shar
     return saved, transient, largest
 
 
-ONLINE_FP8 = {"fp8": False, "torch_fp8": False, "torch_fp8_per_channel": True}
-"""Online quantization methods whose DiT linears end as an fp8 ``[out, in]`` weight and a scale, by name -> per
-channel: planned at their quantized size. Any other method is planned in the load dtype (an over-estimate)."""
+ONLINE_FP8 = {"fp8": "whole", "torch_fp8": "tensor", "torch_fp8_per_channel": "channel", "torch_fp8_whole": "whole"}
+"""Online quantization methods whose DiT linears end as fp8 weights and a scale, by name -> how ``rank_local`` finishes
+them: row by row (``tensor`` / ``channel`` scales: the row protocol) or gathered whole (``whole``: vLLM's ``fp8``, an
+fp8 ``[in, out]`` weight -- its ``weight.t()`` -- and one scale). Planned at their quantized size. Any other method is
+planned in the load dtype (an over-estimate)."""
 
 
 class _PlannedOnlineFp8(Fp8RowMethod):
     uses_meta_device = True  # quantized after loading, as vLLM's online methods
 
 
+class _PlannedWholeFp8(_PlannedOnlineFp8):
+    """vLLM's ``fp8`` as the plan sees it: no row protocol; post-processing leaves an fp8 ``[in, out]`` weight and
+    one fp32 scale (shapes only: the plan runs it on ``meta``)."""
+
+    scale_granularity = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        layer.weight = nn.Parameter(torch.empty(tuple(weight.shape)[::-1], dtype=self.quantized_dtype,
+                                                device=weight.device), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty((), device=weight.device), requires_grad=False)
+
+
 def online_fp8_hook(method: str) -> Callable[[nn.Module], None] | None:
     """The plan's ``quantization`` hook for online method ``method`` (None: not an online fp8 method): every linear
     of a DiT's FSDP blocks an online fp8 layer on its ``meta`` skeleton, as a framework's quant config makes it."""
-    per_channel = ONLINE_FP8.get(method)
-    if per_channel is None:
+    kind = ONLINE_FP8.get(method)
+    if kind is None:
         return None
 
     def on_meta(module: nn.Module) -> None:
         blocks = tuple(f"{name}." for name in select_blocks(module).names)
         for name, sub in module.named_modules():
             if type(sub) is nn.Linear and name.startswith(blocks):
-                sub.__class__, sub.quant_method = Fp8Linear, _PlannedOnlineFp8(per_channel)
+                sub.__class__ = Fp8Linear
+                sub.quant_method = _PlannedWholeFp8() if kind == "whole" else _PlannedOnlineFp8(kind == "channel")
 
     return on_meta

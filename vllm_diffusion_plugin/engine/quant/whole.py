@@ -49,6 +49,8 @@ from vllm_diffusion_plugin.engine.quant.online import block_of, declares_rows, i
 logger = init_logger(__name__)
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+LAYER_WHOLE_ATTR = "_vllm_diffusion_layer_whole"
+"""Set to True on a layer :func:`gather_by_block` post-processed whole (a LoRA swap refuses to re-finish it)."""
 _OWN_STATE = ("_parameters", "_buffers", "_modules")
 
 
@@ -257,6 +259,7 @@ def _finish(owner: nn.Module, layer: WholeLayer, targets: Mapping[str, torch.Ten
         if owner._buffers.get(key) is not value:
             owner._buffers[key] = value
     setattr(owner, PROCESSED_ATTR, True)
+    setattr(owner, LAYER_WHOLE_ATTR, True)
     return gathered, gathered + produced
 
 

@@ -33,13 +33,6 @@ from vllm_diffusion_plugin.engine.lora.rows import fuse_bound_rows, fuse_local_r
 from vllm_diffusion_plugin.engine.quant.fuse import fuse_files_into_fp8, split_deltas
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
 from vllm_diffusion_plugin.engine.quant.online import QuantLayer, find_layers, quantize_by_block, to_quantized_layout
-from vllm_diffusion_plugin.engine.quant.whole import (
-    WholeLayer,
-    find_whole_layers,
-    gather_by_block,
-    quant_path,
-    to_whole_layout,
-)
 from vllm_diffusion_plugin.engine.quant.parts import (
     DequantizedBinding,
     Fp8Layer,
@@ -48,6 +41,13 @@ from vllm_diffusion_plugin.engine.quant.parts import (
     fp8_targets,
     to_final_layout,
     unread_targets,
+)
+from vllm_diffusion_plugin.engine.quant.whole import (
+    WholeLayer,
+    find_whole_layers,
+    gather_by_block,
+    quant_path,
+    to_whole_layout,
 )
 from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadContext, normalize_lora_files
