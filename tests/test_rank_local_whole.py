@@ -136,16 +136,10 @@ def check(results: list[dict], shards: int, stand_in: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("stand_in", STAND_INS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_wan_rank_local_layer_whole_bit_identical_to_fulls_shard(wan, world, stand_in):
-    checkpoint, loras = wan
-    check(run_distributed(whole_worker, world, args=(checkpoint, loras, stand_in), timeout_s=300), world, stand_in)
-
-
-@pytest.mark.multiproc
-@pytest.mark.parametrize("stand_in", STAND_INS)
-@pytest.mark.parametrize("world", [2, 4])
-def test_qwen_image_rank_local_layer_whole_bit_identical_to_fulls_shard(qwen_image, world, stand_in):
-    checkpoint, loras = qwen_image
+@pytest.mark.parametrize("family", ["wan", "qwen_image"])
+def test_rank_local_layer_whole_bit_identical_to_fulls_shard(request, family, world, stand_in):
+    """Wan2.2 (two DiTs, an uneven FFN) and an image family (Qwen-Image's joint blocks)."""
+    checkpoint, loras = request.getfixturevalue(family)
     check(run_distributed(whole_worker, world, args=(checkpoint, loras, stand_in), timeout_s=300), world, stand_in)
 
 
