@@ -223,3 +223,16 @@ def test_vllms_fp8_is_planned_layer_whole_with_its_transient():
                   if isinstance(m, torch.nn.Linear) and n.startswith("blocks."))
     assert whole.transient_bytes >= 3 * largest  # the largest layer whole in bf16 and its fp8 form, beside the rows
     assert abs(whole.held - rows.held) <= 0.01 * rows.held  # fp8 + one scale per layer either way
+
+
+def test_a_lora_swap_into_layers_finished_whole_is_refused_by_name():
+    from vllm_diffusion_plugin.engine.quant.whole import LAYER_WHOLE_ATTR
+    from vllm_diffusion_plugin.engine.swap import LoraSwapRefused, module_rows
+    from vllm_diffusion_plugin.testing.online_quant import attach_online_quant
+
+    module = _wan_on_meta()
+    attach_online_quant(module, rows=False)
+    setattr(module.blocks[0].attn1.to_q, LAYER_WHOLE_ATTR, True)  # what gather_by_block marks
+    with pytest.raises(LoraSwapRefused, match=r"transformer's online-quantized layers blocks\.0\.attn1\.to_q \.\.\. "
+                                              r"were post-processed whole"):
+        module_rows("transformer", module, None, device=torch.device("cpu"), dtype=torch.bfloat16)
