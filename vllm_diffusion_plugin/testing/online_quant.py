@@ -171,14 +171,15 @@ def torch_fp8_config(per_channel: bool = False, *, rows: bool = True) -> TorchFp
     return TorchFp8Config(per_channel, rows=rows)
 
 
-def register_omni_override() -> tuple[str, str]:
+def register_omni_override() -> tuple[str, ...]:
     """Register ``torch_fp8`` / ``torch_fp8_per_channel`` with vllm-omni's own quantization override hook
     (``vllm_omni.quantization.factory.register_quantization_override``), so ``--quantization torch_fp8`` reaches
-    vllm-omni's DiTs on a CPU host. Labelled as what it is: a test method, not vLLM's fp8."""
+    vllm-omni's DiTs on a CPU host, and ``torch_fp8_whole`` (the per-tensor one with its row protocol switched off:
+    ``rank_local`` runs it layer-whole). Labelled as what it is: a test method, not vLLM's fp8."""
     from vllm_omni.quantization.factory import register_quantization_override
 
     register_quantization_override("torch_fp8", lambda **_: torch_fp8_config(False))
     register_quantization_override("torch_fp8_per_channel", lambda **_: torch_fp8_config(True))
     register_quantization_override("torch_fp8_whole", lambda **_: torch_fp8_config(False, rows=False))
     ROW_WISE_METHODS.update({"torch_fp8", "torch_fp8_per_channel"})  # torch_fp8_whole: no row protocol
-    return "torch_fp8", "torch_fp8_per_channel"
+    return "torch_fp8", "torch_fp8_per_channel", "torch_fp8_whole"
