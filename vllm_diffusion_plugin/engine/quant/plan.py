@@ -84,7 +84,9 @@ def whole_bytes(whole: Mapping[str, tuple], local_of: Mapping[str, int], *, shar
     processed layer)`` for one component on one rank (``quant.whole``). ``whole``: :func:`whole_layers`; ``local_of``:
     this rank's bytes of each checkpoint tensor in the load dtype; ``shard``: ``(shard size, this rank's index)`` when
     sharded (each output's rows split as ``fully_shard`` cuts them; 0-dim ones whole). rank_local's transient: the
-    largest block's local rows of the read inputs, plus one layer whole in the load dtype and its processed form."""
+    largest block's local rows of the read inputs, plus one layer whole in the load dtype and its processed form. The
+    method's own temporaries are not modelled (vLLM's fp8 quantizes in one fused kernel; the CPU stand-in's bf16
+    quotients stayed within the test's 15%: ``tests/test_rank_local_quant.py``'s peak test)."""
     saved, per_block, layer_peak, largest = 0, {}, 0, 0
     for reads, changed, block, inputs, outputs in whole.values():
         mine = sum(local_of.get(key, 0) for key in reads)
