@@ -25,7 +25,8 @@ A method takes part by declaring the row protocol (``testing.online_quant.TorchF
 ``scale_granularity`` (``"tensor"`` / ``"channel"``), ``quantized_dtype``, ``row_amax(rows)`` (fp32: 0-dim, or
 ``[rows, 1]``), ``quantize_rows(rows, amax) -> (q, scale)`` (the same functions its own
 ``process_weights_after_loading`` runs on the whole tensor) and ``install_rows(layer)`` (marks the layout and the
-layer processed). A method that does not is refused before any weight is read, naming it.
+layer processed). A method that does not is finished layer-whole instead (``engine/quant/whole``: each layer gathered
+from the shard group and post-processed by the method itself), chosen per method by :func:`declares_rows`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ ROW_WISE_METHODS: set[str] = set()
 """Quantization method names (as given to vllm-omni's ``--quantization``, or a pre-quantized checkpoint's) whose
 methods declare the row protocol (a pre-quantized FP8 method: ``engine/quant/parts``'s); a method
 registers its name here where it registers itself (``testing.online_quant.register_omni_override``,
-``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with any other name at startup."""
+``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with a pre-quantized checkpoint of any
+other name at startup; an online method of any other name goes layer-whole (``engine/quant/whole``)."""
 
 
 def row_wise_methods() -> set[str]:
