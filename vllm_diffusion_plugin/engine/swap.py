@@ -53,6 +53,7 @@ from vllm_diffusion_plugin.engine.memory import host_available, reset_peak_rss, 
 from vllm_diffusion_plugin.engine.platform import free_memory
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
 from vllm_diffusion_plugin.engine.quant.online import QuantLayer, is_online, local_part
+from vllm_diffusion_plugin.engine.quant.whole import LAYER_WHOLE_ATTR
 from vllm_diffusion_plugin.engine.strategies.rank_local import RowLoad, load_bound_rows
 
 logger = init_logger(__name__)
@@ -169,6 +170,7 @@ def module_rows(component: str, module: nn.Module, source: ComponentSource, *, d
                               f"diffusers class; a LoRA swap re-finishes FP8 rows only where vllm-omni built the "
                               f"layers (--omni with hsdp_weight_load=rank_local): restart with the new set")
     online = [(name, sub) for name, sub in module.named_modules() if is_online(sub)]
+    refuse_layer_whole(component, [name for name, sub in online if getattr(sub, LAYER_WHOLE_ATTR, False)])
     if whole := [name for name, sub in online if not getattr(sub, "weight_row_major", False)]:
         raise LoraSwapRefused(f"{component}'s online-quantized layers ({whole[0]} ...) are in their method's own "
                               f"layout (quantized whole by hsdp_weight_load=full/broadcast); a swap quantizes rows "
@@ -180,10 +182,19 @@ def module_rows(component: str, module: nn.Module, source: ComponentSource, *, d
                    quantized=quantized)
 
 
+def refuse_layer_whole(component: str, layers: Sequence[str]) -> None:
+    """:class:`LoraSwapRefused` naming ``layers`` (online-quantized layers post-processed whole, ``quant.whole``)."""
+    if layers:
+        raise LoraSwapRefused(f"{component}'s online-quantized layers {', '.join(layers[:3])} ... were post-processed "
+                              f"whole by their method (it declares no row protocol: rank_local's layer-whole path); "
+                              f"a LoRA swap does not re-finish such layers yet: restart with the new set")
+
+
 def touched(dit: RowLoad, source: ComponentSource, keys: set[str]) -> tuple[ComponentSource, RowLoad]:
     """The part of ``dit`` (and of its ``source``) a swap re-reads for checkpoint tensors ``keys``: every module one
     of them is bound into, whole -- all bindings into it, its quantized layers, the scales beside their weights."""
     modules = {b.target.rpartition(".")[0] for b in dit.bindings if b.key in keys}
+    refuse_layer_whole(dit.component, [layer.module for layer in dit.whole if layer.module in modules])
     bindings = [b for b in dit.bindings if b.target.rpartition(".")[0] in modules]
     bound = {b.key for b in bindings} | {getattr(b, "scale_key", None) for b in bindings}
     scales = {k.removesuffix(".weight") + ".weight_scale" for k in bound if k}
