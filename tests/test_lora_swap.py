@@ -68,6 +68,7 @@ def test_ten_swaps_back_and_forth_equal_a_fresh_load_with_the_last_set(bf16_wan)
     assert not _differing(_state(session), _state(fresh))
     assert _differing(first, _state(fresh))  # the swaps changed what the first load fused
     assert [e["sha256"] for e in session.fused_loras()] == [e["sha256"] for e in fresh.fused_loras()]
+    assert all(len(e["sha256"]) == 64 for e in session.fused_loras()) and "sha256" not in report.loras[0]
 
 
 def test_the_naive_swap_drifts_where_the_exact_one_does_not(bf16_wan):

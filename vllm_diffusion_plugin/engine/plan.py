@@ -52,7 +52,8 @@ from vllm_diffusion_plugin.engine.plan_result import STRATEGY_ORDER, ComponentPl
 from vllm_diffusion_plugin.engine.quant.fp8 import FP8
 from vllm_diffusion_plugin.engine.quant.fuse import fuse_transient_bytes
 from vllm_diffusion_plugin.engine.quant.online import find_layers
-from vllm_diffusion_plugin.engine.quant.plan import quantized_bytes, quantized_layers
+from vllm_diffusion_plugin.engine.quant.plan import quantized_bytes, quantized_layers, whole_bytes, whole_layers
+from vllm_diffusion_plugin.engine.quant.whole import find_whole_layers
 from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.engine.strategies import StrategyError, check_strategy
 
@@ -96,6 +97,8 @@ class _Shape:
     ``quant.plan``)."""
     fp8_fuse: int = 0
     """Elements of the largest pre-quantized FP8 weight a LoRA fuses into (``quant.fuse.fuse_transient_bytes``)."""
+    whole: dict[str, tuple] = field(default_factory=dict)
+    """Online-quantized layers without the row protocol, gathered whole under ``rank_local`` (``quant.plan``)."""
 
 
 def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Sequence[tuple[str, float]],
@@ -104,7 +107,9 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
     module = build_component(source, dtype=dtype, device="meta")
     if is_dit and quantization is not None:
         quantization(module)
-    layers = find_layers(module) if is_dit and quantization is not None else []
+    online = is_dit and quantization is not None
+    layers = find_layers(module, others="skip") if online else []
+    whole = find_whole_layers(module) if online else []
     params = dict(module.named_parameters())
     targets = module.state_dict(keep_vars=True)
     tensors = {}
@@ -150,7 +155,7 @@ def _component_shape(source, *, is_dit: bool, dtype: torch.dtype, lora_files: Se
                 targets += weight.numel() * weight.element_size()
     root = sum(p.numel() * p.element_size() for p in params.values()) - sum(blocks) if blocks else 0
     return _Shape(source.name, is_dit, tensors, order, blocks, root, lora_bytes, lora_file_bytes, largest, targets,
-                  largest_file, quantized, fp8_fuse)
+                  largest_file, quantized, fp8_fuse, whole_layers(whole, names))
 
 
 def first_run_gather(shape: _Shape) -> int:
@@ -226,6 +231,9 @@ def _component_plan(shape: _Shape, *, runs: str, rank: int, shard_size: int, sha
     # full / broadcast hold the whole load-dtype tensor while its quantized copy is made
     held_q, quant_rows, quant_whole = quantized_bytes(shape.quantized, shape.tensors, local_of, sharded=sharded,
                                                       rank_local=rank_local)
+    held_w, whole_rows, whole_largest = whole_bytes(shape.whole, local_of, shard=(shard_size, index) if sharded
+                                                    else None, rank_local=rank_local)
+    held_q, quant_rows, quant_whole = held_q + held_w, max(quant_rows, whole_rows), max(quant_whole, whole_largest)
     if runs == "broadcast":
         bytes_read = whole_read if rank == 0 else 0
     else:

@@ -57,6 +57,10 @@ class ComponentReport:
     """Seconds reading this component's weights (LoRA fusion excluded)."""
     lora_s: float = 0.0
     """Seconds fusing this component's LoRA files."""
+    quant_path: str | None = None
+    """How ``rank_local`` finished its online-quantized layers: ``rows`` (each rank its own, the method's row
+    protocol), ``layer-whole`` (each layer gathered whole and post-processed by its method, ``quant.whole``) or
+    ``rows+layer-whole``; None where no layer was quantized online this way."""
 
     def record_lora(self, stats: Any, seconds: float) -> None:
         """What fusing this component's LoRA files did (``lora.FuseStats``, or None when nothing was fused here)."""
@@ -122,7 +126,7 @@ def report_line(report: LoadReport, component: ComponentReport) -> str:
             f"tensors={component.tensors} "
             f"read_s={component.read_s:.3f} lora_s={component.lora_s:.3f} lora_files={component.lora_files} "
             f"lora_targets={component.lora_keys_fused} lora_device={component.lora_compute_device or '-'} "
-            f"lora_fallbacks={component.lora_fallbacks}")
+            f"lora_fallbacks={component.lora_fallbacks} quant_path={component.quant_path or '-'}")
 
 
 def merge_ranks(reports: list[LoadReport]) -> dict[str, Any]:

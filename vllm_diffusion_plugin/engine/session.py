@@ -326,7 +326,7 @@ class LoadSession:
         out = load(source, context=context, lora_files=self.lora_files(source.name))
         entry.read_s, entry.lora_s = (report.seconds.get(p, 0.0) - before.get(p, 0.0) for p in ("read", "lora"))
         module = out.module.requires_grad_(False)  # inference: FSDP2 then accepts mixed fp32/bf16 params
-        entry.bytes_read, entry.tensors = out.bytes_read, out.tensors
+        entry.bytes_read, entry.tensors, entry.quant_path = out.bytes_read, out.tensors, out.quant_path
         entry.param_bytes_total = sum(p.numel() * p.element_size() for p in module.parameters())
         if out.lora is not None:
             entry.record_lora(out.lora, entry.lora_s)
@@ -355,7 +355,7 @@ class LoadSession:
         start = time.perf_counter()
         with self.reading(source.name):
             done = load_bound_rows(source, rows, fuser=fuser, options=self.options, staging=self.staging(rows.device))
-        entry.bytes_read, entry.tensors = done.bytes_read, len(done.keys)
+        entry.bytes_read, entry.tensors, entry.quant_path = done.bytes_read, len(done.keys), done.quant_path
         entry.read_s = time.perf_counter() - start - done.lora_s
         if done.lora is not None or done.lora_s:
             entry.record_lora(done.lora, done.lora_s)

@@ -53,6 +53,7 @@ from vllm_diffusion_plugin.engine.memory import host_available, reset_peak_rss, 
 from vllm_diffusion_plugin.engine.platform import free_memory
 from vllm_diffusion_plugin.engine.quant.layer import serialized_layers
 from vllm_diffusion_plugin.engine.quant.online import QuantLayer, is_online, local_part
+from vllm_diffusion_plugin.engine.quant.whole import LAYER_WHOLE_ATTR
 from vllm_diffusion_plugin.engine.strategies.rank_local import RowLoad, load_bound_rows
 
 logger = init_logger(__name__)
@@ -83,11 +84,14 @@ class FusedFile:
     def of(cls, component: str, path: str | Path, scale: float, fused_at: float) -> FusedFile:
         return cls(component, Path(path).resolve(), scale, FileStamp.of(Path(path)), fused_at)
 
-    def describe(self, hashes: dict[tuple[Path, FileStamp], str]) -> dict[str, Any]:
-        """JSON-able: component, path, scale, sha256 (of the file as fused: None once it changed on disk, with how),
-        fused_at (ISO 8601, UTC). ``hashes``: a cache of digests by file and stamp."""
-        entry = {"component": self.component, "path": str(self.path), "scale": self.scale, "sha256": None,
+    def describe(self, hashes: dict[tuple[Path, FileStamp], str] | None) -> dict[str, Any]:
+        """JSON-able: component, path, scale, fused_at (ISO 8601, UTC) and, given ``hashes`` (a cache of digests by
+        file and stamp), sha256 of the file as fused (None once it changed on disk, saying how)."""
+        entry = {"component": self.component, "path": str(self.path), "scale": self.scale,
                  "fused_at": datetime.fromtimestamp(self.fused_at, UTC).isoformat(timespec="seconds")}
+        if hashes is None:
+            return entry
+        entry["sha256"] = None
         try:
             unchanged = FileStamp.of(self.path) == self.stamp
         except OSError as exc:
@@ -120,9 +124,10 @@ class FusedSets:
     def tensors(self, component: str) -> set[str]:
         return self._sets.get(component, (set(), []))[0]
 
-    def describe(self, components: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        """The files of ``components``' sets (default all), DiT by DiT (``FusedFile.describe``)."""
-        return [f.describe(self._hashes) for name, (_, files) in self._sets.items()
+    def describe(self, components: Sequence[str] | None = None, *, sha256: bool = True) -> list[dict[str, Any]]:
+        """The files of ``components``' sets (default all), DiT by DiT (``FusedFile.describe``; ``sha256``: each
+        file hashed once per version, read whole the first time)."""
+        return [f.describe(self._hashes if sha256 else None) for name, (_, files) in self._sets.items()
                 if components is None or name in components for f in files]
 
 
@@ -131,7 +136,7 @@ class SwapReport:
     """What one swap did on this rank."""
 
     loras: list[dict[str, Any]]
-    """The new set (``FusedFile.describe``: the session fills it in)."""
+    """The new set (``FusedFile.describe`` without sha256: ``LoadSession.fused_loras`` hashes the files)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """``validate`` (nothing changed yet), ``swap`` (rows re-read, fused, quantized), ``total``."""
     bytes_read: int = 0
@@ -165,6 +170,7 @@ def module_rows(component: str, module: nn.Module, source: ComponentSource, *, d
                               f"diffusers class; a LoRA swap re-finishes FP8 rows only where vllm-omni built the "
                               f"layers (--omni with hsdp_weight_load=rank_local): restart with the new set")
     online = [(name, sub) for name, sub in module.named_modules() if is_online(sub)]
+    refuse_layer_whole(component, [name for name, sub in online if getattr(sub, LAYER_WHOLE_ATTR, False)])
     if whole := [name for name, sub in online if not getattr(sub, "weight_row_major", False)]:
         raise LoraSwapRefused(f"{component}'s online-quantized layers ({whole[0]} ...) are in their method's own "
                               f"layout (quantized whole by hsdp_weight_load=full/broadcast); a swap quantizes rows "
@@ -176,10 +182,19 @@ def module_rows(component: str, module: nn.Module, source: ComponentSource, *, d
                    quantized=quantized)
 
 
+def refuse_layer_whole(component: str, layers: Sequence[str]) -> None:
+    """:class:`LoraSwapRefused` naming ``layers`` (online-quantized layers post-processed whole, ``quant.whole``)."""
+    if layers:
+        raise LoraSwapRefused(f"{component}'s online-quantized layers {', '.join(layers[:3])} ... were post-processed "
+                              f"whole by their method (it declares no row protocol: rank_local's layer-whole path); "
+                              f"a LoRA swap does not re-finish such layers yet: restart with the new set")
+
+
 def touched(dit: RowLoad, source: ComponentSource, keys: set[str]) -> tuple[ComponentSource, RowLoad]:
     """The part of ``dit`` (and of its ``source``) a swap re-reads for checkpoint tensors ``keys``: every module one
     of them is bound into, whole -- all bindings into it, its quantized layers, the scales beside their weights."""
     modules = {b.target.rpartition(".")[0] for b in dit.bindings if b.key in keys}
+    refuse_layer_whole(dit.component, [layer.module for layer in dit.whole if layer.module in modules])
     bindings = [b for b in dit.bindings if b.target.rpartition(".")[0] in modules]
     bound = {b.key for b in bindings} | {getattr(b, "scale_key", None) for b in bindings}
     scales = {k.removesuffix(".weight") + ".weight_scale" for k in bound if k}
@@ -305,7 +320,7 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
         report.peak_rss_growth = status_memory().get("VmHWM", 0) - rss_before
     report.seconds["swap"] = time.perf_counter() - start - report.seconds["validate"]
     report.seconds["total"] = time.perf_counter() - start
-    report.loras = swap.fused.describe(list(swap.dits))
+    report.loras = swap.fused.describe(list(swap.dits), sha256=False)
     logger.info("LoRA swap: %d modules of %s re-read (%s on this rank, %d tensors) and fused with %d file(s) in "
                 "%.2f s (validate %.2f s)", report.modules, ", ".join(swap.dits), size_text(report.bytes_read),
                 report.tensors, len(report.loras), report.seconds["total"], report.seconds["validate"])

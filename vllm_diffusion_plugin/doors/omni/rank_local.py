@@ -13,7 +13,8 @@ its mesh and mixed-precision policy), allocate only the local shards, read this 
 checkpoint tensors straight into them (``engine.strategies.rank_local.read_bound_rows``: ``pread``, ~1/S of
 the bytes per rank), fuse LoRA into the same rows (``fuse_bound_rows``: ``B[key rows] @ A``, our device rule),
 check nothing is left on ``meta``. Online-quantized linears are quantized from each rank's rows
-(``strategies.rank_local``); a pre-quantized ModelOpt FP8 checkpoint's layers are read and finished from them
+(``strategies.rank_local``) where their method declares the row protocol, else gathered whole layer by layer and
+post-processed by their method (``quant.whole``); a pre-quantized ModelOpt FP8 checkpoint's layers are read and finished from them
 (``quant.parts``: the trace goes through vllm-omni's checkpoint adapter). A weight source that is not a
 DiT vllm-omni shards (FLUX.1's T5 encoder, which its pipeline reads through the same loader) is read whole on every
 rank, as ``full`` reads it (:func:`split_sources`). vllm-omni's post-load processing (ours, HSDP-aware: ``patch_postprocess``)
@@ -311,7 +312,7 @@ def load_model(loader: Any, session: Any, *, target_device: torch.device | None,
     discovered = ModuleDiscovery.discover(model)
     dits, whole = split_sources(model, load_path.prepare_dits(loader, model), discovered.outermost_dits())
     modules = {dit.component: model.get_submodule(dit.prefix.rstrip(".")) for dit in dits}
-    layers = {dit.component: row_layers(modules[dit.component], prefix=dit.prefix) for dit in dits}
+    layers = {dit.component: row_layers(modules[dit.component], prefix=dit.prefix, device=device) for dit in dits}
     buffers = {dit.component: release_to_meta(modules[dit.component]) for dit in dits}
     _memory("DiTs released to meta")
     session.mark_baseline()
@@ -328,8 +329,8 @@ def load_model(loader: Any, session: Any, *, target_device: torch.device | None,
         bind(layers[dit.component][1], bindings[dit.component], dit.source)
     for dit in dits:
         module = modules[dit.component]
-        quantized, prequantized = layers[dit.component]
-        to_row_layout(module, prefix=dit.prefix, quantized=quantized, prequantized=prequantized)
+        quantized, prequantized, whole = layers[dit.component]
+        to_row_layout(module, prefix=dit.prefix, quantized=quantized, prequantized=prequantized, whole=whole)
         _shard_on_meta(module, hsdp_config, device)
         with torch.no_grad():
             for name, value in buffers[dit.component].items():
@@ -338,10 +339,10 @@ def load_model(loader: Any, session: Any, *, target_device: torch.device | None,
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     loaded_rows = {}
     for dit in dits:
-        quantized, prequantized = layers[dit.component]
+        quantized, prequantized, whole = layers[dit.component]
         rows = loaded_rows[dit.component] = RowLoad(dit.component, dit.prefix, modules[dit.component],
                                                     bindings[dit.component], targets, device, quantized=quantized,
-                                                    prequantized=prequantized)
+                                                    prequantized=prequantized, whole=whole)
         session.load_rows(dit.source, entry=dit.report, rows=rows, fuser=dit.fuser)
         _memory(f"{dit.component} read and fused")
     lora_update.keep(model, session, strategy="rank_local", rows=loaded_rows)  # a runtime LoRA update re-reads them

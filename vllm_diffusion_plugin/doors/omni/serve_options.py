@@ -146,12 +146,8 @@ def refusals(options: Any, od_config: Any) -> list[str]:
         problems.append(f"{ours} together with vllm-omni's --hsdp-weight-load-strategy pre_sharded (rank 0 reading "
                         f"for all, or each rank its own rows: pre_sharded alone is our 'rank_local', which fuses "
                         f"LoRAs and loads stacked q/k/v; drop one of the two)")
-    quantization = field_of(od_config, "quantization_config", None) or field_of(od_config, "quantization", None)
-    if strategy == "rank_local" and quantization and quant_name(quantization) not in row_wise_methods():
-        problems.append(f"vllm-omni's quantization {quant_name(quantization)!r} with hsdp_weight_load='rank_local' "
-                        f"(each rank quantizes its own rows, which needs a method that declares how -- "
-                        f"engine.quant.online's row protocol; {quant_name(quantization)!r} quantizes whole "
-                        f"tensors: use 'full')")
+    # online quantization with rank_local: each rank quantizes its own rows where the method declares the row
+    # protocol, else each layer is gathered whole and post-processed by the method (engine.quant.whole)
     for name in OFFLOAD_FIELDS:
         if field_of(od_config, name, False):
             problems.append(f"vllm-omni's {name} (offload plans and the host weight runtime)")

@@ -25,7 +25,8 @@ A method takes part by declaring the row protocol (``testing.online_quant.TorchF
 ``scale_granularity`` (``"tensor"`` / ``"channel"``), ``quantized_dtype``, ``row_amax(rows)`` (fp32: 0-dim, or
 ``[rows, 1]``), ``quantize_rows(rows, amax) -> (q, scale)`` (the same functions its own
 ``process_weights_after_loading`` runs on the whole tensor) and ``install_rows(layer)`` (marks the layout and the
-layer processed). A method that does not is refused before any weight is read, naming it.
+layer processed). A method that does not is finished layer-whole instead (``engine/quant/whole``: each layer gathered
+from the shard group and post-processed by the method itself), chosen per method by :func:`declares_rows`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ ROW_WISE_METHODS: set[str] = set()
 """Quantization method names (as given to vllm-omni's ``--quantization``, or a pre-quantized checkpoint's) whose
 methods declare the row protocol (a pre-quantized FP8 method: ``engine/quant/parts``'s); a method
 registers its name here where it registers itself (``testing.online_quant.register_omni_override``,
-``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with any other name at startup."""
+``testing.cpu_modelopt.register``). vllm-omni's door refuses ``rank_local`` with a pre-quantized checkpoint of any
+other name at startup; an online method of any other name goes layer-whole (``engine/quant/whole``)."""
 
 
 def row_wise_methods() -> set[str]:
@@ -116,11 +118,18 @@ def is_online(module: nn.Module) -> bool:
     return bool(getattr(getattr(module, "quant_method", None), "uses_meta_device", False))
 
 
-def find_layers(module: nn.Module, *, prefix: str = "", detach_layerwise: bool = False) -> list[QuantLayer]:
-    """The online-quantized linears of ``module`` (names prefixed with ``prefix``), or :class:`RowQuantError`
-    naming the first whose method does not declare the row protocol. Reads nothing. ``detach_layerwise``: undo
-    vLLM's layerwise wrapping of their weight loaders once all were found (a model vLLM built: its rows are read
-    here, never arrive whole)."""
+def declares_rows(method: Any) -> bool:
+    """Whether ``method`` declares the row protocol (:data:`ROW_PROTOCOL`, a known ``scale_granularity``)."""
+    return all(hasattr(method, attr) for attr in ROW_PROTOCOL) and method.scale_granularity in GRANULARITIES
+
+
+def find_layers(module: nn.Module, *, prefix: str = "", detach_layerwise: bool = False,
+                others: str = "refuse") -> list[QuantLayer]:
+    """The online-quantized linears of ``module`` (names prefixed with ``prefix``) whose methods declare the row
+    protocol; a layer whose method does not is refused (``others="refuse"``: :class:`RowQuantError` naming the first)
+    or left out (``"skip"``: ``quant.whole`` gathers it whole). Reads nothing. ``detach_layerwise``: undo vLLM's
+    layerwise wrapping of their weight loaders once all were found (a model vLLM built: its rows are read here,
+    never arrive whole)."""
     layers = []
     for name, sub in module.named_modules():
         if not is_online(sub):
@@ -128,6 +137,8 @@ def find_layers(module: nn.Module, *, prefix: str = "", detach_layerwise: bool =
         method = sub.quant_method
         missing = [attr for attr in ROW_PROTOCOL if not hasattr(method, attr)]
         full_name = prefix + name
+        if others == "skip" and not declares_rows(method):
+            continue
         if missing or method.scale_granularity not in GRANULARITIES:
             raise RowQuantError(
                 f"hsdp_weight_load=rank_local quantizes each rank's rows with the scale the whole tensor gets; "
@@ -163,7 +174,8 @@ def to_quantized_layout(module: nn.Module, layers: Sequence[QuantLayer], *, pref
                                                               requires_grad=False))
 
 
-def _block_of(name: str, blocks: Sequence[str]) -> str:
+def block_of(name: str, blocks: Sequence[str]) -> str:
+    """The FSDP2 unit of ``blocks`` holding module ``name`` (the deepest; "" outside them)."""
     found = [b for b in blocks if name.startswith(b + ".")]
     return max(found, key=len) if found else ""
 
@@ -226,7 +238,7 @@ def quantize_by_block(module: nn.Module, layers: Sequence[QuantLayer], *, target
     report = QuantReport()
     groups: dict[str, list[QuantLayer]] = {}
     for layer in layers:
-        groups.setdefault(_block_of(layer.module, blocks), []).append(layer)
+        groups.setdefault(block_of(layer.module, blocks), []).append(layer)
     with torch.no_grad():
         for block, members in groups.items():
             transients = {layer.weight: transient_rows(targets[layer.weight], layer.dtype) for layer in members}

@@ -42,6 +42,8 @@ class ComponentLoad:
     """``lora.FuseStats`` when LoRA was fused on this rank, else None."""
     shard: Any = None
     """``hsdp.ShardReport`` when the strategy sharded the module itself (``rank_local``), else None."""
+    quant_path: str | None = None
+    """How ``rank_local`` finished its online-quantized layers (``quant.whole.quant_path``), else None."""
 
 
 @dataclass(frozen=True)

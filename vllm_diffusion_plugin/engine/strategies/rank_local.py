@@ -42,6 +42,13 @@ from vllm_diffusion_plugin.engine.quant.parts import (
     to_final_layout,
     unread_targets,
 )
+from vllm_diffusion_plugin.engine.quant.whole import (
+    WholeLayer,
+    find_whole_layers,
+    gather_by_block,
+    quant_path,
+    to_whole_layout,
+)
 from vllm_diffusion_plugin.engine.skeleton import build_component
 from vllm_diffusion_plugin.engine.strategies.base import ComponentLoad, LoadContext, normalize_lora_files
 from vllm_diffusion_plugin.engine.weights import strict_check_exemptions, validate_headers
@@ -65,16 +72,18 @@ def materialize_local_shards(module: nn.Module, device: torch.device, buffers: d
 
 
 def _validated(module: nn.Module, source: ComponentSource, targets: Mapping[str, torch.Tensor],
-               layers: Sequence[QuantLayer], *, strict_unexpected: bool) -> set[str]:
-    """The headers checked against ``targets`` before any read (online-quantized weights against the dtype ``full``
-    loads them in; only their scales are ours); the names the checkpoint need not hold."""
+               layers: Sequence[QuantLayer], whole: Sequence[WholeLayer], *, strict_unexpected: bool) -> set[str]:
+    """The headers checked against ``targets`` before any read (online-quantized weights against the layout ``full``
+    loads them in; only what their methods add, e.g. scales, is ours); the names the checkpoint need not hold."""
     exempt = strict_check_exemptions(module)
-    quantized = {layer.weight: layer for layer in layers}
-    if layers:
-        exempt = {n for n in exempt if not n.startswith(tuple(f"{layer.module}." for layer in layers))}
-        exempt |= {layer.scale for layer in layers}
-    checked = {k: (torch.empty((), dtype=quantized[k].dtype).expand(quantized[k].shape) if k in quantized else t)
-               for k, t in targets.items() if k not in exempt or k in source.tensors}
+    loads = {layer.weight: (layer.shape, layer.dtype) for layer in layers}
+    loads |= {key: (w.inputs[key.rsplit(".", 1)[1]].shape, w.inputs[key.rsplit(".", 1)[1]].dtype)
+              for w in whole for key in w.read}
+    if layers or whole:
+        exempt = {n for n in exempt if not n.startswith(tuple(f"{layer.module}." for layer in [*layers, *whole]))}
+        exempt |= {layer.scale for layer in layers} | {key for w in whole for key in w.added}
+    checked = {k: (torch.empty((), dtype=loads[k][1]).expand(loads[k][0]) if k in loads else t)
+               for k, t in {**loads, **targets}.items() if k not in exempt or k in source.tensors}
     validate_headers(module, checked, source.tensors, exempt=exempt, strict_unexpected=strict_unexpected,
                      origin=str(source.folder))
     return exempt
@@ -91,25 +100,27 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
         module = build_component(source, dtype=context.dtype, device="meta")
         if context.quantization is not None:
             context.quantization(module)
-        layers = find_layers(module)  # online-quantized linears (refused here if not row-wise)
+        layers = find_layers(module, others="skip")  # online-quantized linears whose methods declare rows
+        whole = find_whole_layers(module, device=device)  # the others: gathered whole, their layout probed
         buffers = {name: b for name, b in module.named_buffers()}  # real values (rotary tables...)
         module.to("meta")  # buffers too, so FSDP2 moves nothing; their values are restored after to_empty
     with report.phase("lora"):
         files = normalize_lora_files(module, lora_files, strict=options.lora_strict, component=source.name)
     with report.phase("shard"):
         to_quantized_layout(module, layers)  # fp8 [out, in] weights + scales, sharded by rows
+        to_whole_layout(module, whole)  # what the methods' own post-processing leaves, contiguous
         shard = apply_hsdp(module, mesh=context.mesh, config=context.hsdp, pattern=options.hsdp_block_pattern,
                            allow_meta=True)
         materialize_local_shards(module, device, buffers)
     targets = module.state_dict(keep_vars=True)
-    exempt = _validated(module, source, targets, layers, strict_unexpected=options.strict_unexpected)
-    quantized = {layer.weight: layer for layer in layers}
+    exempt = _validated(module, source, targets, layers, whole, strict_unexpected=options.strict_unexpected)
+    quantized = {layer.weight for layer in layers} | {key for w in whole for key in w.read}
     plain = {k: t for k, t in targets.items() if k not in quantized}
     with report.phase("read"):
         loaded, stats = _read_local_rows(source, plain, context.progress, context.options.threads, context.staging)
     lora = None
-    if layers:
-        loaded, lora = _quantize_rows(module, layers, source, targets, files, loaded, stats, shard, context)
+    if layers or whole:
+        loaded, lora = _quantize_rows(module, layers, whole, source, targets, files, loaded, stats, shard, context)
     missing = set(targets) - loaded - exempt
     if missing:
         raise WeightLoadError(f"{len(missing)} parameter(s)/buffer(s) of {cls_name} were not in "
@@ -138,14 +149,17 @@ def load_rank_local(source: ComponentSource, *, context: LoadContext,
     logger.info("Rank-local load of %s: read %d tensors' own rows (%.3f GB of %.3f GB) into local shards on %s%s",
                 origin, len(loaded), stats.total_bytes / 1e9, source.total_bytes / 1e9, device,
                 f"; fused {lora.targets} LoRA targets shard-locally" if lora else "")
-    return ComponentLoad(module, bytes_read=stats.total_bytes, tensors=len(loaded), lora=lora, shard=shard)
+    return ComponentLoad(module, bytes_read=stats.total_bytes, tensors=len(loaded), lora=lora, shard=shard,
+                         quant_path=quant_path(layers, whole))
 
 
-def _quantize_rows(module: nn.Module, layers: Sequence[Any], source: ComponentSource, targets: dict[str, torch.Tensor],
-                   files: Sequence[dict[str, Any]], loaded: set[str], stats: Any, shard: Any, context: LoadContext):
-    """The online-quantized weights, block by block (``quantize_by_block``): this rank's rows read
-    into transients, their LoRA deltas fused there, the rows quantized into the fp8 shards. Adds to ``loaded``
-    and ``stats``; returns (loaded, the LoRA's ``FuseStats`` or None)."""
+def _quantize_rows(module: nn.Module, layers: Sequence[Any], whole: Sequence[WholeLayer], source: ComponentSource,
+                   targets: dict[str, torch.Tensor], files: Sequence[dict[str, Any]], loaded: set[str], stats: Any,
+                   shard: Any, context: LoadContext):
+    """The online-quantized weights, block by block: this rank's rows read into transients, their LoRA deltas fused
+    there, then the rows quantized into the fp8 shards (``quantize_by_block``: the row protocol), or each layer
+    gathered whole and post-processed by its method (``quant.whole.gather_by_block``). Adds to ``loaded`` and
+    ``stats``; returns (loaded, the LoRA's ``FuseStats`` or None)."""
     options, report = context.options, context.report
     modules = [name for name, _ in module.named_modules()]
     lora = []
@@ -170,25 +184,34 @@ def _quantize_rows(module: nn.Module, layers: Sequence[Any], source: ComponentSo
                                         chunk_mb=options.lora_device_chunk_mb, check_finite=options.lora_check_finite,
                                         host_weights=options.lora_host_weights))
 
-    quantize_by_block(module, layers, targets=targets, blocks=shard.blocks, read=read, fuse=fuse)
+    if layers:
+        quantize_by_block(module, layers, targets=targets, blocks=shard.blocks, read=read, fuse=fuse)
+    if whole:
+        gather_by_block(module, whole, targets=targets, blocks=shard.blocks, read=read, fuse=fuse)
     total = None
     for stats_one in lora:
         total = stats_one if total is None else total + stats_one
     return loaded, total
 
 
-def row_layers(module: nn.Module, *, prefix: str) -> tuple[list[QuantLayer], list[Fp8Layer]]:
-    """A DiT's quantized linears, as a door built it: the online-quantized ones (vLLM's layerwise wrapping undone)
-    and the pre-quantized FP8 ones; a method without the row protocol is refused by name. Reads nothing."""
-    return find_layers(module, prefix=prefix, detach_layerwise=True), find_fp8_layers(module, prefix=prefix)
+def row_layers(module: nn.Module, *, prefix: str, device: torch.device | str = "cpu",
+               ) -> tuple[list[QuantLayer], list[Fp8Layer], list[WholeLayer]]:
+    """A DiT's quantized linears, as a door built it (vLLM's layerwise wrapping undone): the online-quantized ones
+    whose methods declare the row protocol, the pre-quantized FP8 ones, and the online-quantized ones gathered whole
+    (their layout probed; ``device``: where a method that cannot run on ``meta`` is probed). Reads nothing."""
+    return (find_layers(module, prefix=prefix, detach_layerwise=True, others="skip"),
+            find_fp8_layers(module, prefix=prefix),
+            find_whole_layers(module, prefix=prefix, device=device, detach_layerwise=True))
 
 
 def to_row_layout(module: nn.Module, *, prefix: str, quantized: Sequence[QuantLayer],
-                  prequantized: Sequence[Fp8Layer]) -> None:
+                  prequantized: Sequence[Fp8Layer], whole: Sequence[WholeLayer] = ()) -> None:
     """The final layout of a DiT's quantized layers, on ``meta`` before it is sharded: fp8 ``[out, in]`` weights and
-    their scales (``quant.online.to_quantized_layout``), per-tensor FP8 layers' one scale (``quant.parts``)."""
+    their scales (``quant.online.to_quantized_layout``), per-tensor FP8 layers' one scale (``quant.parts``), what the
+    other online methods' post-processing leaves (``quant.whole.to_whole_layout``)."""
     to_quantized_layout(module, quantized, prefix=prefix)
     to_final_layout(module, prequantized, prefix=prefix)
+    to_whole_layout(module, whole, prefix=prefix)
 
 
 @dataclass
@@ -209,6 +232,8 @@ class RowLoad:
     """Its online-quantized linears (``quant.online.find_layers``), their fp8 layout set before sharding."""
     prequantized: list[Fp8Layer] = field(default_factory=list)
     """Its pre-quantized FP8 linears and their parts (``quant.parts``)."""
+    whole: list[WholeLayer] = field(default_factory=list)
+    """Its online-quantized layers without the row protocol (``quant.whole``), their layout set before sharding."""
 
 
 @dataclass
@@ -220,6 +245,7 @@ class RowsRead:
     lora: Any = None
     """``lora.FuseStats`` or None."""
     lora_s: float = 0.0
+    quant_path: str | None = None
 
 
 def load_bound_rows(source: ComponentSource, dit: RowLoad, *, fuser: Any, options: LoadOptions,
@@ -229,7 +255,7 @@ def load_bound_rows(source: ComponentSource, dit: RowLoad, *, fuser: Any, option
     ``fuser`` (its deltas keyed by checkpoint names) fused into the plain rows. Unread checkpoint tensors are
     warned about by name."""
     deltas = list(fuser.deltas) if fuser is not None else []
-    into = {layer.weight for layer in dit.quantized}
+    into = {layer.weight for layer in dit.quantized} | {key for layer in dit.whole for key in layer.read}
     fp8 = dit.prequantized
     plain = [b for b in dit.bindings if b.target not in into | unread_targets(fp8)
              and not isinstance(b, DequantizedBinding)]
@@ -240,7 +266,7 @@ def load_bound_rows(source: ComponentSource, dit: RowLoad, *, fuser: Any, option
         more, nbytes, lora, lora_s = finish(_Dit(source, fuser, dit.component, dit.prefix), dit.module, fp8,
                                             dit.bindings, dit.targets, fp8_deltas)
         keys, bytes_read = keys | more, bytes_read + nbytes
-    if dit.quantized:
+    if dit.quantized or dit.whole:
         _, deltas = split_bound_deltas(deltas, dit.bindings, fuser.modules, into) if fuser else ([], [])
         more, nbytes, lora = _quantize_bound(source, dit, fuser, options=options, staging=staging)
         keys, bytes_read = keys | more, bytes_read + nbytes
@@ -255,7 +281,7 @@ def load_bound_rows(source: ComponentSource, dit: RowLoad, *, fuser: Any, option
                                 chunk_mb=fuser.chunk_mb, check_finite=fuser.check_finite,
                                 host_weights=fuser.host_weights)
         lora, lora_s = (fused if lora is None else lora + fused), time.perf_counter() - start + lora_s
-    return RowsRead(keys, bytes_read, lora, lora_s)
+    return RowsRead(keys, bytes_read, lora, lora_s, quant_path(dit.quantized, dit.whole))
 
 
 @dataclass(frozen=True)
@@ -285,7 +311,7 @@ def split_bound_deltas(deltas: Sequence[dict[str, Any]], bindings: Sequence[RowB
 
 
 def _quantize_bound(source: ComponentSource, dit: RowLoad, fuser: Any, *, options: LoadOptions, staging: Any):
-    """Read, fuse and quantize this rank's rows of ``dit.quantized`` block by block; returns (checkpoint keys read,
+    """Read, fuse and quantize this rank's rows of ``dit.quantized`` and ``dit.whole`` block by block; returns (checkpoint keys read,
     bytes read, ``FuseStats`` or None)."""
     keys: set[str] = set()
     nbytes, fused = [0], []
@@ -312,6 +338,10 @@ def _quantize_bound(source: ComponentSource, dit: RowLoad, fuser: Any, *, option
                                      chunk_mb=fuser.chunk_mb, check_finite=fuser.check_finite,
                                      host_weights=fuser.host_weights))
 
-    quantize_by_block(dit.module, dit.quantized, targets=dit.targets, blocks=blocks, read=read, fuse=fuse,
-                      prefix=dit.prefix)
+    if dit.quantized:
+        quantize_by_block(dit.module, dit.quantized, targets=dit.targets, blocks=blocks, read=read, fuse=fuse,
+                          prefix=dit.prefix)
+    if dit.whole:
+        gather_by_block(dit.module, dit.whole, targets=dit.targets, blocks=blocks, read=read, fuse=fuse,
+                        prefix=dit.prefix)
     return keys, nbytes[0], sum(fused[1:], fused[0]) if fused else None
