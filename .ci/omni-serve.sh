@@ -3,7 +3,8 @@
 #   .ci/omni-serve.sh [VENV_DIR [PYTEST_ARGS...]]   e.g. .ci/omni-serve.sh .venv-omni (default: the active
 #   environment); PYTEST_ARGS select a part of the proof, e.g. -k "test_serve_images and qwen"
 # Builds tiny pipelines -- Wan2.2 with two LoRAs (test_serve_proof.py); FLUX.1, Qwen-Image and Z-Image with one
-# LoRA each (test_serve_images.py) -- starts `vllm serve DIR --omni` servers one at a time on 127.0.0.1 (the CPU
+# LoRA each (test_serve_images.py); a 2-rank Wan2.2 server whose LoRAs are swapped at runtime
+# (test_serve_lora_swap.py) -- starts `vllm serve DIR --omni` servers one at a time on 127.0.0.1 (the CPU
 # platform of this package on a CPU-only host) and compares their videos / images; then `vllm-diffusion demo
 # --serve` (test_serve_demo.py). Fails on any test failure, on pytest collecting or running no test, and on the
 # stage timeout. Prints, per family, time-to-ready per server, bytes read per rank per weight-load strategy, the
