@@ -1,4 +1,4 @@
-"""``hsdp_weight_load=rank_local`` with online quant methods that declare no row protocol (issue 50), on real gloo ranks.
+"""``hsdp_weight_load=rank_local`` with online quant methods without the row protocol (issue 50), on real gloo ranks.
 
 Such a method finishes a layer whole in its own ``process_weights_after_loading`` (vLLM's ``fp8``: one scale over
 stacked shards, the weight transposed for ``_scaled_mm``). ``rank_local`` gathers each layer's rows from the ranks
@@ -187,7 +187,8 @@ def test_layout_is_probed_on_meta_and_laid_out_contiguous_before_sharding():
     assert layer.outputs == {"weight": Layout((proj.in_features, proj.out_features), torch.float8_e4m3fn),
                              "bias": Layout((proj.out_features,), torch.float32),
                              "weight_scale": Layout((), torch.float32)}
-    assert layer.read == ("blocks.0.ffn.net.0.proj.weight",) and layer.added == ("blocks.0.ffn.net.0.proj.weight_scale",)
+    assert layer.read == ("blocks.0.ffn.net.0.proj.weight",)
+    assert layer.added == ("blocks.0.ffn.net.0.proj.weight_scale",)
     weight = proj.weight
     weight.weight_loader = loader = object()
     to_whole_layout(module, layers)
