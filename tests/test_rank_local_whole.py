@@ -1,4 +1,4 @@
-"""``hsdp_weight_load=rank_local`` with online quant methods that declare no row protocol (issue 50), on real gloo ranks.
+"""``hsdp_weight_load=rank_local`` with online quant methods without the row protocol (issue 50), on real gloo ranks.
 
 Such a method finishes a layer whole in its own ``process_weights_after_loading`` (vLLM's ``fp8``: one scale over
 stacked shards, the weight transposed for ``_scaled_mm``). ``rank_local`` gathers each layer's rows from the ranks
@@ -112,8 +112,8 @@ def whole_worker(rank: int, world_size: int, checkpoint: str, loras: list, stand
 
 
 def check(results: list[dict], shards: int, stand_in: str) -> None:
-    for name, total in results[0]["total_bytes"].items():  # the shard group reads the DiT exactly once
-        assert sum(r["bytes_read"][name] for r in results) == total, (stand_in, name)
+    for name, total in results[0]["total_bytes"].items():  # each shard group reads the DiT exactly once
+        assert sum(r["bytes_read"][name] for r in results) == total * len(results) // shards, (stand_in, name)
     for rank, r in enumerate(results):
         what = f"{stand_in}, rank {rank} of {len(results)}"
         assert r["fp8"] > 0 and r["checked"] > r["fp8"], (what, r["fp8"], r["checked"])
@@ -141,6 +141,14 @@ def test_rank_local_layer_whole_bit_identical_to_fulls_shard(request, family, wo
     """Wan2.2 (two DiTs, an uneven FFN) and an image family (Qwen-Image's joint blocks)."""
     checkpoint, loras = request.getfixturevalue(family)
     check(run_distributed(whole_worker, world, args=(checkpoint, loras, stand_in), timeout_s=300), world, stand_in)
+
+
+@pytest.mark.multiproc
+def test_hsdp_replicas_gather_within_their_own_shard_group(wan):
+    """(replicate 2, shard 2): each replica's shard group gathers its layers; every rank equals full's shard."""
+    checkpoint, loras = wan
+    check(run_distributed(whole_worker, 4, args=(checkpoint, loras, "stacked-transposed", 2), timeout_s=300), 2,
+          "stacked-transposed")
 
 
 # ---- single process: the layout probed before sharding, the plan ----------------------------------------------
@@ -179,7 +187,8 @@ def test_layout_is_probed_on_meta_and_laid_out_contiguous_before_sharding():
     assert layer.outputs == {"weight": Layout((proj.in_features, proj.out_features), torch.float8_e4m3fn),
                              "bias": Layout((proj.out_features,), torch.float32),
                              "weight_scale": Layout((), torch.float32)}
-    assert layer.read == ("blocks.0.ffn.net.0.proj.weight",) and layer.added == ("blocks.0.ffn.net.0.proj.weight_scale",)
+    assert layer.read == ("blocks.0.ffn.net.0.proj.weight",)
+    assert layer.added == ("blocks.0.ffn.net.0.proj.weight_scale",)
     weight = proj.weight
     weight.weight_loader = loader = object()
     to_whole_layout(module, layers)

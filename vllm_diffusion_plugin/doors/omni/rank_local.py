@@ -14,11 +14,11 @@ checkpoint tensors straight into them (``engine.strategies.rank_local.read_bound
 the bytes per rank), fuse LoRA into the same rows (``fuse_bound_rows``: ``B[key rows] @ A``, our device rule),
 check nothing is left on ``meta``. Online-quantized linears are quantized from each rank's rows
 (``strategies.rank_local``) where their method declares the row protocol, else gathered whole layer by layer and
-post-processed by their method (``quant.whole``); a pre-quantized ModelOpt FP8 checkpoint's layers are read and finished from them
-(``quant.parts``: the trace goes through vllm-omni's checkpoint adapter). A weight source that is not a
-DiT vllm-omni shards (FLUX.1's T5 encoder, which its pipeline reads through the same loader) is read whole on every
-rank, as ``full`` reads it (:func:`split_sources`). vllm-omni's post-load processing (ours, HSDP-aware: ``patch_postprocess``)
-and its placement of VAEs / encoders follow, as in its own HSDP path.
+post-processed by their method (``quant.whole``); a pre-quantized ModelOpt FP8 checkpoint's layers are read and
+finished from them (``quant.parts``: the trace goes through vllm-omni's checkpoint adapter). A weight source that is
+not a DiT vllm-omni shards (FLUX.1's T5 encoder, which its pipeline reads through the same loader) is read whole on
+every rank, as ``full`` reads it (:func:`split_sources`). vllm-omni's post-load processing (ours, HSDP-aware:
+``patch_postprocess``) and its placement of VAEs / encoders follow, as in its own HSDP path.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ def _kinds(layer: nn.Module) -> dict[str, Any]:
 
 
 def _param(kind: tuple[type, Mapping], data: torch.Tensor) -> nn.Parameter:
-    """``data`` as a parameter of ``kind``'s class with its attributes (vLLM's ``weight_loader``, ``output_dim`` ...)."""
+    """``data`` as a parameter of ``kind``'s class, with its attributes (vLLM's ``weight_loader``, ``output_dim``)."""
     cls, attributes = kind
     new = cls.__new__(cls, data) if cls is not nn.Parameter and issubclass(cls, nn.Parameter) else \
         nn.Parameter(data, requires_grad=False)

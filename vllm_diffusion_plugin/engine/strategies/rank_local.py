@@ -311,8 +311,8 @@ def split_bound_deltas(deltas: Sequence[dict[str, Any]], bindings: Sequence[RowB
 
 
 def _quantize_bound(source: ComponentSource, dit: RowLoad, fuser: Any, *, options: LoadOptions, staging: Any):
-    """Read, fuse and quantize this rank's rows of ``dit.quantized`` and ``dit.whole`` block by block; returns (checkpoint keys read,
-    bytes read, ``FuseStats`` or None)."""
+    """Read, fuse and quantize this rank's rows of ``dit.quantized`` and ``dit.whole`` block by block; returns
+    (checkpoint keys read, bytes read, ``FuseStats`` or None)."""
     keys: set[str] = set()
     nbytes, fused = [0], []
     blocks = [dit.prefix + name for name, sub in dit.module.named_modules() if name and isinstance(sub, FSDPModule)]
