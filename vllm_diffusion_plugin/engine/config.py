@@ -8,6 +8,7 @@ before any weight is read.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,3 +203,17 @@ def _coerce(key: str, value: Any, type_name: str, origin: str) -> Any:
             return value
         raise bad()
     raise AssertionError(f"no coercion for {type_name}")  # a field was added without a rule
+
+
+def split_lora_entry(text: str) -> tuple[str | None, str, str | None]:
+    """``(component, the rest, the tail after its last '@')`` of a ``[COMPONENT=]PATH[@SCALE]`` entry (``lora_path``,
+    ``--lora``; ``lora.specs.LoraSpec.parse``), nothing looked up on disk: the component is what precedes a ``=``
+    holding no path separator; the tail is None without an ``@`` (a scale or part of the file name: the caller
+    decides)."""
+    component, sep, rest = text.partition("=")
+    if not sep or os.sep in component:
+        component, rest = None, text
+    elif not component.strip():
+        raise ValueError(f"LoRA {text!r}: empty component name before '=' (COMPONENT=PATH[@SCALE])")
+    _, at, tail = rest.rpartition("@")
+    return component or None, rest, tail if at else None

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_diffusion_plugin.engine.config import split_lora_entry
+
 WORKER_METHOD = "diffusion_hsdp_loras"
 """The diffusion workers' method the API server calls through vllm-omni's ``collective_rpc`` (``patch_lora_update``)."""
 RESULT_KEY = "diffusion_hsdp_loras"
@@ -96,23 +98,21 @@ def parse_body(body: bytes) -> list[str]:
 
 def split_entry(text: str) -> tuple[str | None, str, float | None]:
     """``(component, path, scale)`` of ``[COMPONENT=]PATH[@SCALE]`` without looking at the disk (``LoraSpec.parse``'s
-    rules, except that an ``@`` whose tail is no number always belongs to the file name)."""
-    component, sep, rest = text.partition("=")
-    if not sep or os.sep in component:
-        component, rest = None, text
-    elif not component.strip():
-        raise BadUpdate(f"lora_path entry {text!r}: empty component name before '=' ([COMPONENT=]PATH[@SCALE])")
-    path, sep, tail = rest.rpartition("@")
-    scale = None
+    rules through ``config.split_lora_entry``, except that an ``@`` whose tail is no number always belongs to the file
+    name)."""
     try:
-        scale = float(tail) if sep else None
-    except ValueError:
-        pass
-    if scale is None:
-        path = rest
+        component, path, tail = split_lora_entry(text)
+    except ValueError as exc:
+        raise BadUpdate(f"lora_path entry: {exc}") from None
+    scale = None
+    if tail is not None:
+        try:
+            path, scale = path[:-len(tail) - 1], float(tail)
+        except ValueError:
+            pass  # an '@' that is part of the file name
     if scale is not None and not math.isfinite(scale):
         raise BadUpdate(f"lora_path entry {text!r}: the scale {tail!r} is not a finite number")
-    return component or None, path, scale
+    return component, path, scale
 
 
 def _under(path: str, dirs: Sequence[str]) -> bool:

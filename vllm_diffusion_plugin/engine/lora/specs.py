@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from vllm_diffusion_plugin.engine.config import split_lora_entry
 
 
 @dataclass(frozen=True)
@@ -22,24 +23,18 @@ class LoraSpec:
     def parse(cls, text: str, *, default_scale: float = 1.0) -> LoraSpec:
         """``@SCALE`` multiplies ``default_scale``. An ``@`` whose tail is no number belongs to the file name,
         unless only the part before it names a file: then the scale is malformed, an error naming the spec."""
-        component, sep, rest = text.partition("=")
-        if not sep or os.sep in component:
-            component, rest = None, text
-        elif not component.strip():
-            raise ValueError(f"LoRA {text!r}: empty component name before '=' (COMPONENT=PATH[@SCALE])")
-        path, sep, scale_text = rest.rpartition("@")
-        scale = default_scale
-        if sep:
+        component, rest, scale_text = split_lora_entry(text)
+        path, scale = rest, default_scale
+        if scale_text is not None:
+            head = rest[:-len(scale_text) - 1]
             try:
-                scale = float(scale_text) * default_scale
+                path, scale = head, float(scale_text) * default_scale
             except ValueError:
-                if Path(path).is_file() and not Path(rest).exists():
+                if Path(head).is_file() and not Path(rest).exists():
                     raise ValueError(f"LoRA {text!r}: the scale {scale_text!r} after '@' is not a number "
                                      f"([COMPONENT=]PATH[@SCALE])") from None
-                path = rest  # an '@' that is part of the file name
-        else:
-            path = rest
-        return cls(Path(path), scale, component or None)
+                # else an '@' that is part of the file name
+        return cls(Path(path), scale, component)
 
 
 def assign_loras(specs: Sequence[LoraSpec], transformers: Sequence[str]) -> dict[str, list[LoraSpec]]:
