@@ -269,6 +269,7 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
     start, options = time.perf_counter(), swap.options
     rss_before = status_memory().get("VmRSS", 0) if reset_peak_rss() else None
     fusers: dict[str, StreamFuser | None] = {}
+    changes: dict[str, set[str]] = {}  # per DiT: the checkpoint tensors the new set changes
     parts: dict[str, tuple[ComponentSource, RowLoad]] = {}
     report, assigned, error = SwapReport(loras=[]), {}, None
     try:
@@ -279,8 +280,8 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
                                strict=options.lora_strict, chunk_mb=options.lora_device_chunk_mb,
                                check_finite=options.lora_check_finite, host_weights=options.lora_host_weights)
             integrity.check_unchanged(swap.stamps[name], component=name)
-            keys = swap.fused.tensors(name) | (fuser.tensor_names() if fuser is not None else set())
-            parts[name], fusers[name] = touched(dit, source, keys), fuser
+            changes[name] = fuser.tensor_names() if fuser is not None else set()
+            parts[name], fusers[name] = touched(dit, source, swap.fused.tensors(name) | changes[name]), fuser
             host, device_bytes = planned_peak(fuser, parts[name][1], chunk_mb=options.lora_device_chunk_mb)
             report.planned_host_bytes += host
             report.planned_device_bytes = max(report.planned_device_bytes, device_bytes)
@@ -313,9 +314,8 @@ def swap_loras(swap: Swap, lora_specs: Sequence[LoraSpec]) -> tuple[SwapReport, 
         raise LoraSwapFailed(f"LoRA swap failed after weights began to change ({mixed}); the model holds part of "
                              f"the old set and part of the new: do not serve it") from failure
     fused_at = time.time()
-    for name, fuser in fusers.items():
-        swap.fused.record(name, fuser.tensor_names() if fuser is not None else set(),
-                          [(str(s.path), s.scale) for s in assigned[name]], fused_at)
+    for name in fusers:
+        swap.fused.record(name, changes[name], [(str(s.path), s.scale) for s in assigned[name]], fused_at)
     if rss_before is not None:
         report.peak_rss_growth = status_memory().get("VmHWM", 0) - rss_before
     report.seconds["swap"] = time.perf_counter() - start - report.seconds["validate"]
